@@ -1,0 +1,137 @@
+"""Frozen configuration for every subsystem, loaded from TOML presets and CLI overrides.
+
+This package is the only place that reads ``os.environ``. Everything else receives a
+``ServerConfig`` (or one of its parts) and never sees an argparse ``Namespace``.
+
+Example:
+    >>> cfg = load_config(None, {"http.port": 9000, "engine.max_tokens": 64})
+    >>> (cfg.http.host, cfg.http.port, cfg.engine.max_tokens)
+    ('127.0.0.1', 9000, 64)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+PRESETS_DIR = Path(__file__).parent
+
+
+class ConfigError(ValueError):
+    """A configuration value or file that cannot be used; the message is one line."""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to serve; ``None`` means the default model (SmolLM2-135M-Instruct)."""
+
+    model: str | None = None
+    cache_dir: str | None = None
+    # "auto" measures the candidates at start-up; a fixed name skips the measurement.
+    weight_format: str = "auto"
+
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of the engine thread. Values are per request unless named otherwise."""
+
+    max_tokens: int = 512  # used when a request gives no max_tokens
+    max_tokens_limit: int = 8192  # the largest max_tokens a request may ask for
+    prefill_step_size: int = 512  # prompt tokens per forward pass during prefill
+    max_queued_requests: int = 64  # waiting requests beyond this get 429
+    max_batch_size: int = 1  # requests decoded together in one step
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.max_tokens <= self.max_tokens_limit,
+                 "engine.max_tokens must be between 1 and engine.max_tokens_limit")
+        _require(self.prefill_step_size >= 1, "engine.prefill_step_size must be >= 1")
+        _require(self.max_queued_requests >= 1, "engine.max_queued_requests must be >= 1")
+        _require(self.max_batch_size >= 1, "engine.max_batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class HTTPConfig:
+    host: str = "127.0.0.1"  # loopback unless the operator opens it on purpose
+    port: int = 8000
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, f"http.port must be in 0..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    http: HTTPConfig = field(default_factory=HTTPConfig)
+
+
+def default_cache_dir() -> Path:
+    """``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else the platform's
+    user cache folder (``~/Library/Caches/kvserve`` on macOS, ``~/.cache/kvserve``)."""
+    if explicit := os.environ.get("KVSERVE_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "kvserve"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "kvserve"
+    return Path.home() / ".cache" / "kvserve"
+
+
+def preset_path(name: str) -> Path:
+    """``default`` -> the packaged ``configs/default.toml``; a path is returned as is."""
+    path = Path(name)
+    if path.suffix == ".toml" and path.exists():
+        return path
+    packaged = PRESETS_DIR / f"{path.stem}.toml"
+    _require(packaged.exists(), f"config file not found: {name}")
+    return packaged
+
+
+def load_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> ServerConfig:
+    """Read a TOML preset (sections ``model``, ``engine``, ``http``) and apply dotted overrides.
+
+    Overrides whose value is ``None`` are ignored, so CLI flags that were not given fall
+    through to the file. Unknown sections or keys are errors, not silently dropped.
+    """
+    data: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(preset_path(str(path)).read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"invalid TOML in {path}: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            section, key = dotted.split(".", 1)
+            data.setdefault(section, {})[key] = value
+    return _build(data)
+
+
+def _build(data: Mapping[str, Any]) -> ServerConfig:
+    sections = {f.name: f.type for f in dataclasses.fields(ServerConfig)}
+    unknown = set(data) - set(sections)
+    _require(not unknown, f"unknown config section(s): {', '.join(sorted(unknown))}")
+    parts = {}
+    for name, cls in (("model", ModelConfig), ("engine", EngineConfig), ("http", HTTPConfig)):
+        values = dict(data.get(name, {}))
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = set(values) - known
+        _require(not bad, f"unknown key(s) in [{name}]: {', '.join(sorted(bad))}")
+        try:
+            parts[name] = cls(**values)
+        except TypeError as exc:
+            raise ConfigError(f"[{name}]: {exc}") from None
+    return ServerConfig(**parts)

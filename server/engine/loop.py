@@ -1,0 +1,190 @@
+"""The engine thread: the one thread that owns the model, every MLX array and every cache.
+
+Other threads talk to it only through its inbox (``submit``, ``abort``, ``stop``) and
+receive ``TokenEvent`` objects through the per-request sink they passed to ``submit``.
+A sink is called on the engine thread and must only hand the event over (for example with
+``loop.call_soon_threadsafe``), never block.
+
+One iteration: drain the inbox, ask the scheduler for a ``StepPlan``, let the runner
+execute it, commit the ``StepResult``, turn sampled tokens into text and events.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvserve.configs import EngineConfig
+from kvserve.server.engine.output import OutputState, StopMatcher
+from kvserve.server.engine.request import FinishReason, Request, TokenEvent, Usage
+from kvserve.server.engine.scheduler import QueueFull, Scheduler, StepResult
+
+log = logging.getLogger("kvserve.engine")
+
+Sink = Callable[[TokenEvent], None]
+
+# A step that makes no progress for this long while requests wait means the engine is stuck.
+STUCK_AFTER_S = 120.0
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What the loader hands the engine: the runner, the tokenizer and facts for clients."""
+
+    runner: Any  # ModelRunner; typed loosely so this module never imports mlx
+    tokenizer: Any  # mlx-lm TokenizerWrapper
+    info: Any  # ModelInfo
+
+
+@dataclass
+class _Live:
+    request: Request
+    sink: Sink
+    output: OutputState
+
+
+class Engine:
+    """Runs ``load`` and then the step loop on a dedicated thread."""
+
+    def __init__(self, load: Callable[[], LoadedModel], config: EngineConfig):
+        self.config = config
+        self._load = load
+        self._inbox: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="kvserve-engine", daemon=True)
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._busy_since: float | None = None
+        self.model: LoadedModel | None = None
+        self.scheduler = Scheduler(1, config.prefill_step_size, config.max_queued_requests)
+        self._live: dict[str, _Live] = {}
+
+    # ---- called from other threads -------------------------------------------------
+    def start(self) -> LoadedModel:
+        """Start the thread, wait for the model to load; re-raise a load failure here."""
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+        return self.model
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        """Queue a request; raises ``QueueFull`` when the bounded queue has no room."""
+        with self._lock:
+            if self._inflight >= self.config.max_queued_requests + self.scheduler.max_running:
+                raise QueueFull(f"{self._inflight} requests are already in flight")
+            self._inflight += 1
+        self._inbox.put(("submit", request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what is running, then end the thread."""
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    def health(self) -> tuple[bool, str]:
+        if not self._thread.is_alive():
+            return False, "engine thread is not running"
+        busy = self._busy_since
+        if busy is not None and time.monotonic() - busy > STUCK_AFTER_S:
+            return False, f"engine step has not finished for {time.monotonic() - busy:.0f} s"
+        return True, "ok"
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    # ---- engine thread ----------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.model = self._load()
+        except BaseException as exc:  # reported to start(), which re-raises it
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._run()
+
+    def _run(self) -> None:
+        stopping = False
+        while not (stopping and not self.scheduler.has_work):
+            stopping |= self._drain_inbox(block=not self.scheduler.has_work and not stopping)
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                continue
+            self._busy_since = time.monotonic()
+            try:
+                result = self.model.runner.execute(plan)
+            except Exception as exc:  # fail the step's requests, keep serving others
+                log.exception("engine step failed")
+                self._fail_running(f"engine error: {type(exc).__name__}: {exc}")
+                continue
+            finally:
+                self._busy_since = None
+            self.scheduler.commit(result)
+            self._emit(result)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued commands; returns True when asked to stop."""
+        stop = False
+        try:
+            command = self._inbox.get(block=block)
+            while True:
+                stop |= self._apply(command)
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            return stop
+
+    def _apply(self, command: tuple) -> bool:
+        kind = command[0]
+        if kind == "submit":
+            self._admit(command[1], command[2])
+        elif kind == "abort":
+            request = self.scheduler.find(command[1])
+            if request is not None:
+                self._finish(request, FinishReason.ABORT, "")
+        return kind == "stop"
+
+    def _admit(self, request: Request, sink: Sink) -> None:
+        tokenizer = self.model.tokenizer
+        output = OutputState(
+            detokenizer=tokenizer.detokenizer,
+            matcher=StopMatcher(request.params.stop),
+            eos_token_ids=frozenset(tokenizer.eos_token_ids),
+        )
+        self._live[request.request_id] = _Live(request, sink, output)
+        self.scheduler.add(request)
+
+    def _emit(self, result: StepResult) -> None:
+        for request_id, token in result.sampled.items():
+            live = self._live[request_id]
+            request = live.request
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            text, stopped = live.output.add_token(token)
+            if stopped:
+                self._finish(request, FinishReason.STOP, text)
+            elif request.num_generated >= request.params.max_tokens:
+                self._finish(request, FinishReason.LENGTH, text + live.output.finish())
+            elif text:
+                live.sink(TokenEvent(request_id, text, (token,)))
+
+    def _finish(self, request: Request, reason: FinishReason, text: str, error: str | None = None) -> None:
+        live = self._live.pop(request.request_id)
+        self.scheduler.finish(request, reason)
+        self.model.runner.release(request.request_id)
+        with self._lock:
+            self._inflight -= 1
+        usage = Usage(request.num_prompt_tokens, request.num_generated)
+        live.sink(TokenEvent(request.request_id, text, finish_reason=reason, usage=usage, error=error))
+
+    def _fail_running(self, message: str) -> None:
+        for request in list(self.scheduler.running):
+            self._finish(request, FinishReason.ERROR, "", error=message)

@@ -1,0 +1,82 @@
+"""Load a model for serving: resolve the source, load it with mlx-lm, pick the weight format.
+
+Runs on the engine thread (``Engine`` calls the function returned by ``make_loader``), so
+every array the model owns is created by the thread that will use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kvserve.configs import ModelConfig
+from kvserve.server.engine.loop import LoadedModel
+from kvserve.server.engine.model_source import ModelLoadError, resolve_model
+
+log = logging.getLogger("kvserve.engine")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the served model that clients and logs see (``/v1/models``)."""
+
+    model_id: str
+    source: str
+    context_length: int
+    weight_format: str
+    blas: str
+
+    def describe(self) -> str:
+        return (f"{self.model_id}: context {self.context_length}, "
+                f"weights {self.weight_format}, BLAS {self.blas}")
+
+
+def make_loader(config: ModelConfig, blas: str, progress: Callable[[str], None] | None = None):
+    """Returns a zero-argument loader for ``Engine``; ``blas`` describes the active BLAS."""
+
+    def load() -> LoadedModel:
+        return load_model(config, blas, progress)
+
+    return load
+
+
+def load_model(config: ModelConfig, blas: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
+    import mlx_lm
+
+    from kvserve.server.engine.runner import ModelRunner
+    from kvserve.server.engine.weights import apply_weight_format, choose_weight_format
+
+    source = resolve_model(config.model, config.resolved_cache_dir(), progress)
+    try:
+        model, tokenizer, model_config = mlx_lm.load(str(source), return_config=True)
+    except Exception as exc:  # mlx-lm raises many types; the user needs one line
+        raise ModelLoadError(f"cannot load model {source}: {type(exc).__name__}: {exc}") from None
+    choice = choose_weight_format(model, config.weight_format)
+    apply_weight_format(model, choice)
+    info = ModelInfo(
+        model_id=model_id_for(config.model, source),
+        source=str(source),
+        context_length=int(model_config.get("max_position_embeddings") or 4096),
+        weight_format=choice.describe(),
+        blas=blas,
+    )
+    log.info("model ready: %s", info.describe())
+    return LoadedModel(runner=ModelRunner(model), tokenizer=tokenizer, info=info)
+
+
+def model_id_for(spec: str | None, source: Path | str) -> str:
+    """The name clients use in ``model``: the default model's name, a repo id, or a folder name.
+
+    >>> model_id_for(None, Path("/c/models/SmolLM2-135M-Instruct.Q4_1-1a2b3c"))
+    'SmolLM2-135M-Instruct'
+    >>> model_id_for("mlx-community/Qwen3-0.6B-4bit", "mlx-community/Qwen3-0.6B-4bit")
+    'mlx-community/Qwen3-0.6B-4bit'
+    """
+    if spec in (None, "default"):
+        return "SmolLM2-135M-Instruct"
+    path = Path(spec)
+    if path.exists():
+        return path.stem if path.is_file() else path.name
+    return spec

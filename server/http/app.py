@@ -1,0 +1,132 @@
+"""The FastAPI application: OpenAI routes in front of the engine thread.
+
+Handlers validate, tokenize (chat template included), check the context length and post a
+``Request`` to the engine; they never touch MLX. Token events come back through an
+``EventStream`` and leave as JSON or server-sent events.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.configs import EngineConfig
+from kvserve.server.engine.loop import Engine
+from kvserve.server.engine.request import Request, SamplingParams
+from kvserve.server.engine.scheduler import QueueFull
+from kvserve.server.http.errors import APIError, error_response, install_error_handlers
+from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from kvserve.server.http.streams import ClientGone, EventStream, Shape, collect, sse_events
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """``engine`` must already be started (its model loaded)."""
+    model = engine.model
+    app = FastAPI(title="kvserve", version="0.1.0")
+    install_error_handlers(app)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health():
+        ok, reason = engine.health()
+        if not ok:
+            return error_response(503, reason)
+        return {"status": "ok", "inflight": engine.inflight}
+
+    @app.get("/v1/models")
+    async def models():
+        info = model.info
+        card = {"id": info.model_id, "object": "model", "created": created, "owned_by": "kvserve",
+                "context_length": info.context_length, "weight_format": info.weight_format,
+                "blas": info.blas}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
+        _check_model(body.model, model.info.model_id)
+        tokens = _chat_tokens(model.tokenizer, body)
+        shape = Shape(chat=True, model=model.info.model_id, id_prefix="chatcmpl")
+        return await _generate(engine, body, tokens, shape, http_request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http_request: HTTPRequest):
+        _check_model(body.model, model.info.model_id)
+        tokens = _prompt_tokens(model.tokenizer, body.prompt)
+        prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        shape = Shape(chat=False, model=model.info.model_id, id_prefix="cmpl")
+        return await _generate(engine, body, tokens, shape, http_request, prefix)
+
+    return app
+
+
+def _check_model(requested: str, served: str) -> None:
+    if requested not in (served, "default"):
+        raise APIError(404, f"model '{requested}' is not served here; this server serves '{served}'",
+                       param="model", code="model_not_found")
+
+
+def _chat_tokens(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    try:
+        tokens = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+    except Exception as exc:  # templates raise on unsupported conversations (e.g. bad role order)
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+    return list(tokens)
+
+
+def _prompt_tokens(tokenizer: Any, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return list(tokenizer.encode(prompt))
+    vocab = len(tokenizer)
+    if any(t >= vocab for t in prompt):
+        raise APIError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
+    return list(prompt)
+
+
+def sampling_params(body: _SamplingFields, prompt_len: int, context: int, limits: EngineConfig) -> SamplingParams:
+    """Validate lengths against the context and build the engine's sampling parameters."""
+    room = context - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context}",
+                       param="messages", code="context_length_exceeded")
+    requested = body.requested_max_tokens()
+    if requested is not None and requested > limits.max_tokens_limit:
+        raise APIError(400, f"max_tokens must be at most {limits.max_tokens_limit}", param="max_tokens")
+    if requested is not None and requested > room:
+        raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds "
+                       f"this model's context of {context}", param="max_tokens",
+                       code="context_length_exceeded")
+    return SamplingParams(max_tokens=min(requested or limits.max_tokens, room),
+                          temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                          stop=body.stop_list())
+
+
+async def _generate(engine: Engine, body: _SamplingFields, tokens: list[int], shape: Shape,
+                    http_request: HTTPRequest, prefix: str = ""):
+    params = sampling_params(body, len(tokens), engine.model.info.context_length, engine.config)
+    request = Request(prompt_tokens=tokens, params=params)
+    stream = EventStream()
+    try:
+        engine.submit(request, stream.sink)
+    except QueueFull:
+        raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    abort = lambda: engine.abort(request.request_id)  # noqa: E731
+    if body.stream:
+        events = sse_events(shape, stream, body.include_usage, abort, prefix)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        return JSONResponse(await collect(shape, stream, http_request, prefix))
+    except ClientGone:
+        return error_response(400, "client disconnected")
+    except RuntimeError as exc:  # the engine failed on this request
+        return error_response(500, str(exc))
+    finally:
+        if not stream.finished:  # disconnected or cancelled: free the engine's work
+            abort()

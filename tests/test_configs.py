@@ -1,0 +1,37 @@
+"""Configuration: presets, CLI overrides and refusals, with exact values."""
+
+import pytest
+
+from kvserve.configs import ConfigError, EngineConfig, load_config
+
+
+def test_packaged_default_preset_and_overrides():
+    cfg = load_config("default", {"http.port": 9001, "model.model": None})
+    assert (cfg.http.host, cfg.http.port) == ("127.0.0.1", 9001)
+    assert cfg.model.model is None and cfg.engine.max_tokens == 512
+
+
+def test_file_values_and_unknown_keys(tmp_path):
+    preset = tmp_path / "mine.toml"
+    preset.write_text('[engine]\nmax_tokens = 7\n[http]\nport = 1234\n')
+    cfg = load_config(preset, {"http.port": 4321})
+    assert (cfg.engine.max_tokens, cfg.http.port) == (7, 4321)
+    preset.write_text('[engine]\nmax_tokenz = 7\n')
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) in \[engine\]: max_tokenz"):
+        load_config(preset)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"prefill_step_size": 0},
+                                    {"max_tokens": 10, "max_tokens_limit": 5}])
+def test_engine_config_refuses_bad_values(kwargs):
+    with pytest.raises(ConfigError):
+        EngineConfig(**kwargs)
+
+
+def test_missing_preset_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: nope"):
+        load_config("nope")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)

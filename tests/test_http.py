@@ -1,0 +1,153 @@
+"""The real server process on a tiny random-weight llama, driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from servers import ServerProcess
+
+CHAT = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    proc = ServerProcess(tiny_model_dir, "--cache-dir", str(cache), "--max-queued-requests", "4")
+    yield proc.wait_ready()
+    assert proc.stop() == 0, proc.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+def test_models_and_health(server, client, model_id):
+    assert model_id == "tiny-llama"
+    card = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]
+    assert card["context_length"] == 512 and card["weight_format"] and card["blas"]
+    assert httpx.get(f"{server.base_url}/health").json()["status"] == "ok"
+
+
+def test_greedy_is_deterministic_and_streaming_matches(client, model_id):
+    kwargs = dict(model=model_id, messages=CHAT, temperature=0, max_tokens=12)
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert first.choices[0].finish_reason == "length"
+    assert first.usage.completion_tokens == 12
+    streamed = client.chat.completions.create(**kwargs, stream=True,
+                                              stream_options={"include_usage": True})
+    chunks = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == first.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == first.usage.prompt_tokens
+
+
+def test_seeded_sampling_reproduces(client, model_id):
+    kwargs = dict(model=model_id, messages=CHAT, temperature=1.0, top_p=0.9, seed=7, max_tokens=10)
+    a = client.chat.completions.create(**kwargs).choices[0].message.content
+    b = client.chat.completions.create(**kwargs).choices[0].message.content
+    c = client.chat.completions.create(**{**kwargs, "seed": 8}).choices[0].message.content
+    assert a == b
+    assert a != c  # 10 tokens from a 49k vocabulary; equal texts would mean the seed is ignored
+
+
+def test_stop_string_cuts_text(client, model_id):
+    full = client.completions.create(model=model_id, prompt="Once upon a time", temperature=0,
+                                     max_tokens=16).choices[0].text
+    stop = full[3:6]
+    cut = client.completions.create(model=model_id, prompt="Once upon a time", temperature=0,
+                                    max_tokens=16, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_completion_token_prompt_and_echo(client, model_id):
+    by_text = client.completions.create(model=model_id, prompt="Hello", temperature=0, max_tokens=5)
+    echoed = client.completions.create(model=model_id, prompt="Hello", temperature=0, max_tokens=5,
+                                       echo=True)
+    assert echoed.choices[0].text == "Hello" + by_text.choices[0].text
+    by_ids = client.completions.create(model=model_id, prompt=[19556, 28, 314], temperature=0,
+                                       max_tokens=3)
+    assert by_ids.usage.prompt_tokens == 3 and by_ids.usage.completion_tokens == 3
+
+
+def _post(server, path: str, body) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{server.base_url}{path}", content=data,
+                      headers={"content-type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "tiny-llama", "messages": []}, "messages"),
+        ({"model": "tiny-llama", "messages": CHAT, "temperature": 3}, "temperature"),
+        ({"model": "tiny-llama", "messages": CHAT, "top_p": 0}, "top_p"),
+        ({"model": "tiny-llama", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
+        ({"model": "tiny-llama", "messages": CHAT, "max_tokens": 100000}, "max_tokens"),
+        ({"model": "tiny-llama", "messages": CHAT, "stop": ["x"] * 17}, "stop"),
+        ({"model": "tiny-llama", "messages": CHAT, "n": 2}, "n"),
+        ({"model": "tiny-llama", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": CHAT}, "model"),
+        ([1, 2, 3], None),
+        (b"{not json", None),
+    ],
+)
+def test_bad_requests_answer_400_in_openai_shape(server, body, param):
+    response = _post(server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_context_length_exceeded(server):
+    body = {"model": "tiny-llama", "prompt": "word " * 600, "max_tokens": 4}
+    response = _post(server, "/v1/completions", body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_and_route_answer_404(server):
+    response = _post(server, "/v1/chat/completions", {"model": "gpt-4", "messages": CHAT})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+    response = httpx.get(f"{server.base_url}/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-llama", messages=CHAT, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=CHAT)
+
+
+def test_streaming_client_disconnect_frees_the_engine(server, model_id):
+    body = {"model": model_id, "messages": CHAT, "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break  # leave after the first token
+    for _ in range(100):  # the engine frees the request within a step or two
+        if httpx.get(f"{server.base_url}/health").json()["inflight"] == 0:
+            break
+        time.sleep(0.1)
+    assert httpx.get(f"{server.base_url}/health").json()["inflight"] == 0

@@ -1,0 +1,74 @@
+"""End to end on the default model: the real server, the openai client, the real answer.
+
+Also the command line's refusals: one line on stderr, a non-zero exit, no traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from servers import ServerProcess
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model_dir):
+    proc = ServerProcess(default_model_dir)
+    yield proc.wait_ready()
+    assert proc.stop() == 0, proc.output()
+
+
+def test_paris_json_and_stream_agree(default_server):
+    client = openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": QUESTION}]
+    answer = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=40)
+    text = answer.choices[0].message.content
+    assert "Paris" in text
+    assert answer.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                            max_tokens=40, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def _kvserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserve.server.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("kvserve: error:")]
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+
+
+def test_missing_model_path(tmp_path):
+    result = _kvserve("serve", "--model", str(tmp_path / "nope.gguf"), "--port", "0")
+    _assert_one_line_error(result, "not found")
+
+
+def test_non_gguf_file(tmp_path):
+    bogus = tmp_path / "notes.gguf"
+    bogus.write_bytes(b"this is not a model" * 100)
+    result = _kvserve("serve", "--model", str(bogus), "--cache-dir", str(tmp_path / "c"), "--port", "0")
+    _assert_one_line_error(result, "GGUF")
+
+
+def test_truncated_gguf(tmp_path, default_gguf):
+    cut = tmp_path / "cut.gguf"
+    with open(default_gguf, "rb") as src:
+        cut.write_bytes(src.read(5_000_000))
+    result = _kvserve("convert", str(cut), str(tmp_path / "out"))
+    _assert_one_line_error(result, "truncated")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_config_value(tmp_path):
+    result = _kvserve("serve", "--max-tokens", "0")
+    _assert_one_line_error(result, "max_tokens")
