@@ -1,0 +1,44 @@
+"""KV caches: schemes, per-layer cache families, the request container, files.
+
+    from kvserve.cache import PromptCache, parse_scheme
+    cache = PromptCache.for_model(model, parse_scheme("affine4"), quantize_after=256)
+
+Families register themselves on import (``kvserve.cache.registry``); the TurboQuant family is
+imported when present.
+"""
+
+from kvserve.cache.adapter import install_attention, uninstall_attention
+from kvserve.cache.affine import BatchQuantizedKVCache, QuantizedKVCache
+from kvserve.cache.base import BatchStoredKVCache, StoredKVCache
+from kvserve.cache.buffer import GrowableBuffer
+from kvserve.cache.container import PromptCache
+from kvserve.cache.fp16 import BatchFP16KVCache, FP16KVCache
+from kvserve.cache.protocol import BatchKVCacheLayer, KVCacheLayer
+from kvserve.cache.registry import (
+    SCHEME_NAMES,
+    SchemeUnavailable,
+    batch_class_for,
+    cache_class_by_name,
+    family_of,
+    layer_scheme,
+    make_layer_cache,
+    register,
+    single_class_for,
+)
+from kvserve.cache.scheme import ComponentFormat, KVScheme, UnknownScheme, parse_scheme
+from kvserve.cache.serialize import CacheFileError, load_layers, save_layers
+
+try:
+    from kvserve.cache import turbo as _turbo  # noqa: F401  (registers "turbo")
+except ModuleNotFoundError as _err:
+    if _err.name != "kvserve.cache.turbo":  # a missing dependency inside turbo is a real bug
+        raise
+
+__all__ = [
+    "SCHEME_NAMES", "BatchFP16KVCache", "BatchKVCacheLayer", "BatchQuantizedKVCache",
+    "BatchStoredKVCache", "CacheFileError", "ComponentFormat", "FP16KVCache", "GrowableBuffer",
+    "KVCacheLayer", "KVScheme", "PromptCache", "QuantizedKVCache", "SchemeUnavailable",
+    "StoredKVCache", "UnknownScheme", "batch_class_for", "cache_class_by_name", "family_of",
+    "install_attention", "layer_scheme", "load_layers", "make_layer_cache", "parse_scheme", "register",
+    "save_layers", "single_class_for", "uninstall_attention",
+]

@@ -63,6 +63,13 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    """KV cache scheme for every request (``kvserve.cache.scheme`` has the grammar)."""
+
+    kv_scheme: str = "fp16"
+
+
+@dataclass(frozen=True)
 class HTTPConfig:
     host: str = "127.0.0.1"  # loopback unless the operator opens it on purpose
     port: int = 8000
@@ -76,6 +83,7 @@ class HTTPConfig:
 class ServerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     http: HTTPConfig = field(default_factory=HTTPConfig)
 
 
@@ -102,7 +110,7 @@ def preset_path(name: str) -> Path:
 
 
 def load_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> ServerConfig:
-    """Read a TOML preset (sections ``model``, ``engine``, ``http``) and apply dotted overrides.
+    """Read a TOML preset (sections ``model``, ``engine``, ``cache``, ``http``), apply dotted overrides.
 
     Overrides whose value is ``None`` are ignored, so CLI flags that were not given fall
     through to the file. Unknown sections or keys are errors, not silently dropped.
@@ -125,7 +133,8 @@ def _build(data: Mapping[str, Any]) -> ServerConfig:
     unknown = set(data) - set(sections)
     _require(not unknown, f"unknown config section(s): {', '.join(sorted(unknown))}")
     parts = {}
-    for name, cls in (("model", ModelConfig), ("engine", EngineConfig), ("http", HTTPConfig)):
+    for name, cls in (("model", ModelConfig), ("engine", EngineConfig), ("cache", CacheConfig),
+                      ("http", HTTPConfig)):
         values = dict(data.get(name, {}))
         known = {f.name for f in dataclasses.fields(cls)}
         bad = set(values) - known

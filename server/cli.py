@@ -29,9 +29,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--cache-dir", help="where converted models are kept")
     serve.add_argument("--weight-format", help="'auto' (measure at start-up) or a format name")
+    serve.add_argument("--kv-scheme", help="KV cache scheme: fp16 (default), affine8, affine4, "
+                                           "mxfp4, mxfp8, nvfp4, turbo0v4, turbo8v3, ...")
     serve.add_argument("--max-tokens", type=int, help="max_tokens when a request gives none")
     serve.add_argument("--max-queued-requests", type=int, help="waiting requests before 429")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    sub.add_parser("eval-kv", add_help=False,
+                   help="compare KV cache schemes against fp16 (kvserve eval-kv --help)")
 
     convert = sub.add_parser("convert", help="convert a llama GGUF into an mlx-lm model directory")
     convert.add_argument("src", help="a .gguf file (Q4_0, Q4_1, Q8_0, F16 or F32 tensors)")
@@ -48,6 +53,7 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "http.host": args.host,
         "http.port": args.port,
         "http.log_level": args.log_level,
+        "cache.kv_scheme": args.kv_scheme,
         "engine.max_tokens": args.max_tokens,
         "engine.max_queued_requests": args.max_queued_requests,
     })
@@ -68,7 +74,13 @@ def serve(config: ServerConfig) -> int:
     from kvserve.server.engine.model_loader import make_loader
     from kvserve.server.http.app import create_app
 
-    engine = Engine(make_loader(config.model, blas.describe(), _progress), config.engine)
+    from kvserve.cache import UnknownScheme, parse_scheme
+
+    try:
+        scheme = parse_scheme(config.cache.kv_scheme)
+    except UnknownScheme as exc:
+        raise ConfigError(str(exc)) from None
+    engine = Engine(make_loader(config.model, scheme, blas.describe(), _progress), config.engine)
     loaded = engine.start()
     _progress(f"serving {loaded.info.describe()}")
     _progress(f"listening on http://{config.http.host}:{config.http.port}")
@@ -99,6 +111,14 @@ def convert(src: str, dst: str | None, cache_dir: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     from kvserve.server.engine.model_source import ModelLoadError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval-kv"]:  # owns its arguments; needs the BLAS before mlx, like serve
+        from kvserve.server.engine.blas import enable_fast_blas
+
+        enable_fast_blas()
+        from kvserve.server.engine.eval_kv import main as eval_kv_main
+
+        return eval_kv_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kvserve.cache.scheme import KVScheme
 from kvserve.configs import ModelConfig
 from kvserve.server.engine.loop import LoadedModel
 from kvserve.server.engine.model_source import ModelLoadError, resolve_model
@@ -27,22 +28,25 @@ class ModelInfo:
     context_length: int
     weight_format: str
     blas: str
+    kv_scheme: str
 
     def describe(self) -> str:
-        return (f"{self.model_id}: context {self.context_length}, "
-                f"weights {self.weight_format}, BLAS {self.blas}")
+        return (f"{self.model_id}: context {self.context_length}, {self.weight_format}, "
+                f"{self.blas}, KV scheme {self.kv_scheme}")
 
 
-def make_loader(config: ModelConfig, blas: str, progress: Callable[[str], None] | None = None):
+def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
+                progress: Callable[[str], None] | None = None):
     """Returns a zero-argument loader for ``Engine``; ``blas`` describes the active BLAS."""
 
     def load() -> LoadedModel:
-        return load_model(config, blas, progress)
+        return load_model(config, scheme, blas, progress)
 
     return load
 
 
-def load_model(config: ModelConfig, blas: str, progress: Callable[[str], None] | None = None) -> LoadedModel:
+def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
+               progress: Callable[[str], None] | None = None) -> LoadedModel:
     import mlx_lm
 
     from kvserve.server.engine.runner import ModelRunner
@@ -61,9 +65,10 @@ def load_model(config: ModelConfig, blas: str, progress: Callable[[str], None] |
         context_length=int(model_config.get("max_position_embeddings") or 4096),
         weight_format=choice.describe(),
         blas=blas,
+        kv_scheme=scheme.name,
     )
     log.info("model ready: %s", info.describe())
-    return LoadedModel(runner=ModelRunner(model), tokenizer=tokenizer, info=info)
+    return LoadedModel(runner=ModelRunner(model, scheme), tokenizer=tokenizer, info=info)
 
 
 def model_id_for(spec: str | None, source: Path | str) -> str:

@@ -5,8 +5,8 @@ start of a stop string is held back until the next token decides it.
 
 Example (stop "END" split over two tokens " E" and "ND!"):
     >>> m = StopMatcher(("END",))
-    >>> m.feed("ok E")      # " E" might begin "END": hold it back
-    ('ok', False)
+    >>> m.feed("ok E")      # "E" might begin "END": hold it back
+    ('ok ', False)
     >>> m.feed("ND!")       # the stop string completed: drop it and what follows
     ('', True)
 """

@@ -35,7 +35,7 @@ class SamplingParams:
     """Per-request sampling. ``temperature == 0`` means greedy.
 
     Example:
-        >>> SamplingParams(max_tokens=8, stop=("\\n",)).greedy
+        >>> SamplingParams(max_tokens=8, temperature=0.0).greedy
         True
     """
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
+from kvserve.cache import KVScheme, PromptCache
 from kvserve.server.engine.request import Request
 from kvserve.server.engine.sampler import RequestSampler
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
@@ -19,7 +19,7 @@ from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
 
 @dataclass
 class _Slot:
-    cache: list
+    cache: PromptCache
     sampler: RequestSampler
     last_token: int | None = None
 
@@ -27,8 +27,9 @@ class _Slot:
 class ModelRunner:
     """Holds the model and one cache per live request; everything here runs on the engine thread."""
 
-    def __init__(self, model):
+    def __init__(self, model, scheme: KVScheme):
         self.model = model
+        self.scheme = scheme
         self._slots: dict[str, _Slot] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -51,10 +52,15 @@ class ModelRunner:
     def live_requests(self) -> int:
         return len(self._slots)
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes allocated by the KV caches of all live requests."""
+        return sum(slot.cache.nbytes for slot in self._slots.values())
+
     def _slot(self, request: Request) -> _Slot:
         slot = self._slots.get(request.request_id)
         if slot is None:
-            slot = _Slot(make_prompt_cache(self.model), RequestSampler(request.params))
+            slot = _Slot(PromptCache.for_model(self.model, self.scheme), RequestSampler(request.params))
             self._slots[request.request_id] = slot
         return slot
 
@@ -63,6 +69,7 @@ class ModelRunner:
         start = request.num_computed
         tokens = mx.array(request.prompt_tokens[start : start + chunk.num_tokens])
         logits = self.model(tokens[None], cache=slot.cache)  # (1, n, V)
+        slot.cache.maybe_convert()
         if not chunk.completes_prompt:
             mx.eval([c.state for c in slot.cache])
             return None
@@ -71,6 +78,7 @@ class ModelRunner:
     def _decode(self, request: Request) -> int:
         slot = self._slots[request.request_id]
         logits = self.model(mx.array([[slot.last_token]]), cache=slot.cache)  # (1, 1, V)
+        slot.cache.maybe_convert()
         return self._sample(slot, logits[:, -1, :])
 
     def _sample(self, slot: _Slot, logits: mx.array) -> int:

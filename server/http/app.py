@@ -42,7 +42,7 @@ def create_app(engine: Engine) -> FastAPI:
         info = model.info
         card = {"id": info.model_id, "object": "model", "created": created, "owned_by": "kvserve",
                 "context_length": info.context_length, "weight_format": info.weight_format,
-                "blas": info.blas}
+                "blas": info.blas, "kv_scheme": info.kv_scheme}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")

@@ -1,0 +1,181 @@
+"""Growable storage for KV caches: several (B, H, T, W) arrays that share the T axis.
+
+A cache family encodes keys and values into one or more parts (raw K and V; or packed
+words + scales + biases for each), all indexed by token along axis 2. ``GrowableBuffer``
+keeps them together: one ``size`` (slots written) and one ``capacity`` (slots allocated).
+
+Growth is geometric: when an append does not fit, every part is copied once into arrays of
+``max(2 * capacity, need rounded up to the granule)`` slots. Reaching 32,768 tokens one at a
+time from a 256-slot start takes 7 growths (256 -> 512 -> ... -> 32768), where a fixed
+256-slot step would take 127. Allocation is the first ``append``; it is not a growth.
+
+    >>> next_capacity(256, 257, granule=256)
+    512
+    >>> next_capacity(512, 3000, granule=256)   # a prefill larger than twice the capacity
+    3072
+    >>> growths_to_reach(32768, chunk=1, granule=256)
+    7
+
+The batch operations at the end (``take``, ``align``, ``concat_batch``, ``roll_rows``) are
+the storage half of the batch algebra (merge / filter / extend / finalize): they move
+slots and rows, and know nothing about how a family encodes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+DEFAULT_GRANULE = 256
+
+
+def round_up(n: int, granule: int) -> int:
+    return -(-n // granule) * granule
+
+
+def next_capacity(capacity: int, need: int, granule: int = DEFAULT_GRANULE) -> int:
+    """Capacity after a growth: double, or straight to ``need`` (granule-rounded) if larger."""
+    return max(2 * capacity, round_up(need, granule))
+
+
+def growths_to_reach(tokens: int, chunk: int = 1, granule: int = DEFAULT_GRANULE) -> int:
+    """How many growths appending ``tokens`` in chunks of ``chunk`` costs (pure arithmetic)."""
+    capacity, size, growths = 0, 0, 0
+    while size < tokens:
+        need = min(size + chunk, tokens)
+        if capacity == 0:
+            capacity = round_up(need, granule)
+        elif need > capacity:
+            capacity, growths = next_capacity(capacity, need, granule), growths + 1
+        size = need
+    return growths
+
+
+class GrowableBuffer:
+    """Parts of shape (B, H, capacity, W_i) written up to ``size`` along axis 2.
+
+    Example, granule 4, one part of width 1 (``.`` = allocated, not written):
+
+        append 3 tokens   [a b c .]          size 3, capacity 4, growths 0
+        append 2 tokens   [a b c d e . . .]  size 5, capacity 8, growths 1 (one copy)
+        trim 1            [a b c d | e . . .]  size 4 (slot 4 is stale, overwritten next)
+    """
+
+    def __init__(self, granule: int = DEFAULT_GRANULE):
+        self.granule = granule
+        self.parts: list[mx.array] | None = None
+        self.size = 0
+        self.growths = 0
+
+    @classmethod
+    def adopt(cls, parts: Sequence[mx.array], size: int | None = None,
+              granule: int = DEFAULT_GRANULE) -> GrowableBuffer:
+        """Wrap existing arrays (capacity = their T; ``size`` defaults to all of it)."""
+        buf = cls(granule)
+        if parts:
+            buf.parts = [p[:, :, :] for p in parts]  # own handles: appends must not reach the caller's
+            buf.size = buf.capacity if size is None else size
+        return buf
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.parts is None else self.parts[0].shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.parts is None else self.parts[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (capacity, not size)."""
+        return 0 if self.parts is None else sum(p.nbytes for p in self.parts)
+
+    def views(self) -> list[mx.array]:
+        """Each part's first ``size`` slots, as new arrays: ``append`` writes into the parts
+        in place (``a[...] = x`` rebinds ``a`` itself), so handing the parts out would let a
+        later append change what a caller already holds."""
+        if self.parts is None:
+            return []
+        return [p[:, :, : self.size] for p in self.parts]  # (B, H, size, W_i)
+
+    def reserve(self, templates: Sequence[mx.array], need: int) -> None:
+        """Make room for ``need`` slots; ``templates`` give batch, heads, widths and dtypes."""
+        if self.parts is None:
+            cap = round_up(max(need, 1), self.granule)
+            self.parts = [mx.zeros((t.shape[0], t.shape[1], cap, t.shape[3]), t.dtype) for t in templates]
+        elif need > self.capacity:
+            cap = next_capacity(self.capacity, need, self.granule)
+            # Slice + pad is one copy of the written slots into the new allocation.
+            pad = [(0, 0), (0, 0), (0, cap - self.size), (0, 0)]
+            self.parts = [mx.pad(p[:, :, : self.size], pad) for p in self.parts]
+            self.growths += 1
+
+    def append(self, parts: Sequence[mx.array]) -> None:
+        """Write (B, H, L, W_i) parts at slots [size, size + L)."""
+        if self.parts is not None and len(parts) != len(self.parts):
+            raise ValueError(f"expected {len(self.parts)} parts, got {len(parts)}")
+        n = parts[0].shape[2]
+        self.reserve(parts, self.size + n)
+        for dst, src in zip(self.parts, parts):
+            dst[:, :, self.size : self.size + n] = src
+        self.size += n
+
+    def trim(self, n: int) -> int:
+        n = min(self.size, n)
+        self.size -= n
+        return n
+
+    # --- batch algebra on storage (rows = sequences along axis 0) ---
+
+    def take(self, rows: Sequence[int], drop_front: int = 0) -> None:
+        """Keep ``rows`` (in that order) and drop the first ``drop_front`` slots."""
+        if self.parts is not None:
+            idx = mx.array(list(rows))
+            self.parts = [p[idx, :, drop_front:] for p in self.parts]  # keeps the spare capacity
+        self.size = max(self.size - drop_front, 0)
+
+    def row(self, i: int, start: int) -> GrowableBuffer:
+        """Row ``i``'s slots [start, size) as a one-row buffer with spare room (one copy)."""
+        n = self.size - start
+        cap = round_up(n + 1, self.granule)
+        pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
+        parts = [mx.pad(p[i : i + 1, :, start : self.size], pad) for p in self.parts]
+        return GrowableBuffer.adopt(parts, n, self.granule)
+
+    def align(self, left: int, capacity: int) -> list[mx.array]:
+        """Parts with ``left`` empty slots in front and ``capacity`` slots in all (one copy)."""
+        pad = [(0, 0), (0, 0), (left, capacity - left - self.size), (0, 0)]
+        return [mx.pad(p[:, :, : self.size], pad) for p in self.parts]
+
+    def roll_rows(self, shifts: Sequence[int]) -> None:
+        """Rotate each row's written slots right by its shift (right padding -> left padding)."""
+        if self.parts is None or self.size == 0:
+            return
+        slots = mx.arange(self.size)[None, :] - mx.array(list(shifts))[:, None]  # (B, size)
+        idx = (slots % self.size)[:, None, :, None]  # (B, 1, size, 1)
+        for p in self.parts:
+            p[:, :, : self.size] = mx.take_along_axis(p[:, :, : self.size], idx, axis=2)
+
+    @staticmethod
+    def concat_batch(buffers: Sequence[GrowableBuffer], fronts: Sequence[int], size: int,
+                     granule: int = DEFAULT_GRANULE) -> GrowableBuffer:
+        """Stack buffers along rows, each shifted right by its ``fronts`` entry so that all
+        end at slot ``size``; the result has room for at least one more slot (one copy)."""
+        cap = round_up(size + 1, granule)
+        rows = sum(b.batch_size for b in buffers)
+        template = buffers[0].parts
+        out = [mx.zeros((rows, t.shape[1], cap, t.shape[3]), t.dtype) for t in template]
+        r = 0
+        for b, front in zip(buffers, fronts):
+            for dst, src in zip(out, b.parts):
+                dst[r : r + b.batch_size, :, front : front + b.size] = src[:, :, : b.size]
+            r += b.batch_size
+        stacked = GrowableBuffer(granule)
+        stacked.parts, stacked.size = out, size
+        return stacked
+
+    def empty_rows(self, rows: int) -> GrowableBuffer:
+        """A buffer of ``rows`` rows with no written slots, shaped like this one's parts."""
+        parts = [mx.zeros((rows, p.shape[1], 0, p.shape[3]), p.dtype) for p in self.parts]
+        return GrowableBuffer.adopt(parts, 0, self.granule)
