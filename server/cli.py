@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -108,9 +109,17 @@ def convert(src: str, dst: str | None, cache_dir: str | None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from kvserve.server.engine.model_source import ModelLoadError
+def _exit_now(code: int) -> None:
+    """Leave without running static destructors: MLX (0.32.4, Linux) can abort in them
+    ("terminate called without an active exception") once a thread other than the main one
+    used it, as the engine thread does. The engine has stopped and nothing is pending."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval-kv"]:  # owns its arguments; needs the BLAS before mlx, like serve
         from kvserve.server.engine.blas import enable_fast_blas
@@ -121,10 +130,17 @@ def main(argv: list[str] | None = None) -> int:
         return eval_kv_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        _exit_now(_run(lambda: serve(_serve_config(args))))
+    return _run(lambda: convert(args.src, args.dst, args.cache_dir))
+
+
+def _run(command) -> int:
+    """Run a subcommand; errors a user can fix become one line on stderr and exit code 1."""
+    from kvserve.server.engine.model_source import ModelLoadError
+
     try:
-        if args.command == "serve":
-            return serve(_serve_config(args))
-        return convert(args.src, args.dst, args.cache_dir)
+        return command()
     except (ModelLoadError, ConfigError) as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 1

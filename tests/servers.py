@@ -50,6 +50,7 @@ class ServerProcess:
 
     def __init__(self, model: Path | str, *extra: str, env: dict | None = None):
         self.port = free_port()
+        self.args = extra
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", str(model),
                "--port", str(self.port), "--log-level", "warning", *extra]

@@ -16,9 +16,9 @@ from servers import ServerProcess
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
-@pytest.fixture(scope="module")
-def default_server(default_model_dir):
-    proc = ServerProcess(default_model_dir)
+@pytest.fixture(scope="module", params=["fp16", "turbo0v4"])
+def default_server(request, default_model_dir):
+    proc = ServerProcess(default_model_dir, "--kv-scheme", request.param)
     yield proc.wait_ready()
     assert proc.stop() == 0, proc.output()
 
@@ -26,6 +26,8 @@ def default_server(default_model_dir):
 def test_paris_json_and_stream_agree(default_server):
     client = openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
+    scheme = client.models.list().data[0].model_extra["kv_scheme"]
+    assert scheme == default_server.args[default_server.args.index("--kv-scheme") + 1]
     messages = [{"role": "user", "content": QUESTION}]
     answer = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=40)
     text = answer.choices[0].message.content
@@ -72,3 +74,19 @@ def test_truncated_gguf(tmp_path, default_gguf):
 def test_bad_config_value(tmp_path):
     result = _kvserve("serve", "--max-tokens", "0")
     _assert_one_line_error(result, "max_tokens")
+
+
+def test_unknown_kv_scheme_lists_the_valid_ones():
+    result = _kvserve("serve", "--kv-scheme", "turbo5")
+    _assert_one_line_error(result, "unknown KV scheme 'turbo5'; valid schemes: fp16, affine8")
+    assert "turbo0v4" in result.stderr
+
+
+def test_unsupported_architecture(tmp_path):
+    import numpy as np
+    from test_gguf import tiny_model
+
+    other = tmp_path / "qwen.gguf"
+    tiny_model(other, np.random.default_rng(1), arch="qwen2")
+    result = _kvserve("convert", str(other), str(tmp_path / "out"))
+    _assert_one_line_error(result, "qwen2")
