@@ -49,6 +49,7 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                progress: Callable[[str], None] | None = None) -> LoadedModel:
     import mlx_lm
 
+    from kvserve.server.engine.fastpath import install_table_rope
     from kvserve.server.engine.runner import ModelRunner
     from kvserve.server.engine.weights import apply_weight_format, choose_weight_format
 
@@ -59,6 +60,7 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
         raise ModelLoadError(f"cannot load model {source}: {type(exc).__name__}: {exc}") from None
     choice = choose_weight_format(model, config.weight_format)
     apply_weight_format(model, choice)
+    install_table_rope(model)
     info = ModelInfo(
         model_id=model_id_for(config.model, source),
         source=str(source),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kvserve.cache import KVScheme, PromptCache
+from kvserve.server.engine.fastpath import last_logits
 from kvserve.server.engine.request import Request
 from kvserve.server.engine.sampler import RequestSampler
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
@@ -68,12 +69,14 @@ class ModelRunner:
         request, slot = chunk.request, self._slot(chunk.request)
         start = request.num_computed
         tokens = mx.array(request.prompt_tokens[start : start + chunk.num_tokens])
-        logits = self.model(tokens[None], cache=slot.cache)  # (1, n, V)
-        slot.cache.maybe_convert()
         if not chunk.completes_prompt:
-            mx.eval([c.state for c in slot.cache])
+            self.model(tokens[None], cache=slot.cache)
+            slot.cache.maybe_convert()
+            mx.eval(slot.cache.state)
             return None
-        return self._sample(slot, logits[:, -1, :])
+        logits = last_logits(self.model, tokens[None], slot.cache)  # (1, V)
+        slot.cache.maybe_convert()
+        return self._sample(slot, logits)
 
     def _decode(self, request: Request) -> int:
         slot = self._slots[request.request_id]
