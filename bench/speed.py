@@ -314,7 +314,7 @@ def render(args, info, base: dict | None, ours: dict, extra, meta: dict) -> str:
               "measured at start-up, `TableRoPE` in place of `nn.RoPE`, prefill in chunks with logits for the "
               "last position only, greedy decoding pipelined with `mx.async_eval`." + (
                   " The rows \"without ...\" each leave one piece out (TableRoPE stays out in "
-                  "the last row)." if extra else "")]
+                  "the last row)." if args.ablate else "")]
     lines += ["", f"Weight format chosen in {meta['chose_s']:.2f} s at start-up; "
               f"{meta['ropes']} RoPE modules replaced by TableRoPE. Our numbers are the fastest "
               f"of {args.reps} runs each, the slowest in parentheses.", ""]
