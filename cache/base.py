@@ -90,7 +90,34 @@ def apply_mask(scores: mx.array, mask: mx.array | None) -> mx.array:
     return scores + mask.astype(scores.dtype)
 
 
-class StoredKVCache:
+class _Buffered:
+    """What every cache backed by one ``GrowableBuffer`` (``self._buf``) answers the same way."""
+
+    _buf: GrowableBuffer
+
+    @property
+    def capacity(self) -> int:
+        return self._buf.capacity
+
+    @property
+    def growths(self) -> int:
+        return self._buf.growths
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return self._buf.trim(n)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.nbytes
+
+    def empty(self) -> bool:
+        return self._buf.parts is None
+
+
+class StoredKVCache(_Buffered):
     """One sequence's cache (B = 1); its encoded K/V parts live in one ``GrowableBuffer``.
 
     ``offset`` is the number of tokens stored; ``state`` is exactly those tokens' parts.
@@ -109,14 +136,6 @@ class StoredKVCache:
     @property
     def offset(self) -> int:
         return self._buf.size
-
-    @property
-    def capacity(self) -> int:
-        return self._buf.capacity
-
-    @property
-    def growths(self) -> int:
-        return self._buf.growths
 
     def size(self) -> int:
         return self._buf.size
@@ -155,24 +174,11 @@ class StoredKVCache:
             raise ValueError(f"empty state with offset {offset}")
         return cache
 
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        return self._buf.trim(n)
-
-    @property
-    def nbytes(self) -> int:
-        return self._buf.nbytes
-
-    def empty(self) -> bool:
-        return self._buf.parts is None
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.scheme.name}, offset={self.offset}, capacity={self.capacity})"
 
 
-class BatchStoredKVCache:
+class BatchStoredKVCache(_Buffered):
     """B left-padded sequences in one ``GrowableBuffer`` (rows = sequences).
 
     Merging per-request caches of 3, 1 and 4 tokens:
@@ -213,14 +219,6 @@ class BatchStoredKVCache:
     @property
     def offset(self) -> mx.array:
         return mx.array(self.lengths)  # (B,)
-
-    @property
-    def capacity(self) -> int:
-        return self._buf.capacity
-
-    @property
-    def growths(self) -> int:
-        return self._buf.growths
 
     def size(self) -> int:
         return self._buf.size
@@ -314,19 +312,6 @@ class BatchStoredKVCache:
                 raise ValueError(f"state of shape {state[0].shape} does not match meta {meta}")
             batch._buf = GrowableBuffer.adopt(state, size)
         return batch
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        return self._buf.trim(n)
-
-    @property
-    def nbytes(self) -> int:
-        return self._buf.nbytes
-
-    def empty(self) -> bool:
-        return self._buf.parts is None
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.scheme.name}, lengths={self.lengths}, "
