@@ -3,8 +3,7 @@
     from kvserve.cache import PromptCache, parse_scheme
     cache = PromptCache.for_model(model, parse_scheme("affine4"), quantize_after=256)
 
-Families register themselves on import (``kvserve.cache.registry``); the TurboQuant family is
-imported when present.
+Families register themselves on import (``kvserve.cache.registry``).
 """
 
 from kvserve.cache.adapter import install_attention, uninstall_attention
@@ -28,17 +27,13 @@ from kvserve.cache.registry import (
 from kvserve.cache.scheme import ComponentFormat, KVScheme, UnknownScheme, parse_scheme
 from kvserve.cache.serialize import CacheFileError, load_layers, save_layers
 
-try:
-    from kvserve.cache import turbo as _turbo  # noqa: F401  (registers "turbo")
-except ModuleNotFoundError as _err:
-    if _err.name != "kvserve.cache.turbo":  # a missing dependency inside turbo is a real bug
-        raise
+from kvserve.cache.turbo import BatchTurboKVCache, TurboKVCache
 
 __all__ = [
     "SCHEME_NAMES", "BatchFP16KVCache", "BatchKVCacheLayer", "BatchQuantizedKVCache",
     "BatchStoredKVCache", "CacheFileError", "ComponentFormat", "FP16KVCache", "GrowableBuffer",
     "KVCacheLayer", "KVScheme", "PromptCache", "QuantizedKVCache", "SchemeUnavailable",
-    "StoredKVCache", "UnknownScheme", "batch_class_for", "cache_class_by_name", "family_of",
+    "StoredKVCache", "TurboKVCache", "BatchTurboKVCache", "UnknownScheme", "batch_class_for", "cache_class_by_name", "family_of",
     "install_attention", "layer_scheme", "load_layers", "make_layer_cache", "parse_scheme", "register",
     "save_layers", "single_class_for", "uninstall_attention",
 ]

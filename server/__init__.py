@@ -1,0 +1,1 @@
+"""The server: ``http`` (OpenAI API) in front of ``engine`` (the thread that runs the model)."""

@@ -1,0 +1,1 @@
+"""The engine thread: scheduling policy, the model runner, sampling, model loading."""

@@ -1,0 +1,1 @@
+"""FastAPI app, OpenAI schemas, errors and streaming; never imports mlx."""
