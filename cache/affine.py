@@ -10,7 +10,9 @@ affine8 g64 = 128 + 2*2*2 = 136; affine4 g64 = 72; mxfp4 = 64 + 4 = 68 (4.25 bit
 mxfp8 = 132 (8.25); nvfp4 = 72 (4.5).
 
 ``attend`` works on the stored parts directly: queries are grouped to (B, H_kv, n_rep, L, D)
-so K/V are never repeated, and scores, mask and softmax are computed in f32.
+so K/V are never repeated, and scores, mask and softmax are computed in f32. The caches
+call ``kvserve.kernels.dispatch.attend`` through ``QuantizedFormat``; ``attend_quantized``
+is the full-context reference it is tested against.
 """
 
 from __future__ import annotations
@@ -67,6 +69,35 @@ def quantized_weighted_sum(w: mx.array, v_parts: tuple[mx.array, ...], fmt: Comp
     return _qmm(w, v_parts, fmt, transpose=False)
 
 
+class QuantizedFormat:
+    """One ``mx.quantize`` component seen through the attention protocol of
+    ``kvserve.kernels`` (see ``kvserve.cache.turbo_codec``): stored basis, no rotation."""
+
+    def __init__(self, fmt: ComponentFormat):
+        self.fmt = fmt
+
+    def prepare_queries(self, q: mx.array, scale: mx.array | None = None) -> mx.array:
+        return q
+
+    def scores(self, q: mx.array, parts: tuple[mx.array, ...]) -> mx.array:
+        return self._folded(q, parts, transpose=True)  # (B, H_kv, R, L, T)
+
+    def accumulate(self, p: mx.array, parts: tuple[mx.array, ...]) -> mx.array:
+        return self._folded(p, parts, transpose=False)  # (B, H_kv, R, L, D_v)
+
+    def _folded(self, x: mx.array, parts: tuple[mx.array, ...], transpose: bool) -> mx.array:
+        # (B, H_kv, R, L, .) -> (B, H_kv, R*L, .): the n_rep heads become rows of one product
+        # with the stored (B, H_kv, T, W) parts, which are then never broadcast (copied) R times.
+        B, H, R, L, _ = x.shape
+        out = mx.quantized_matmul(x.reshape(B, H, R * L, -1), *parts, transpose=transpose,
+                                  group_size=self.fmt.group_size, bits=self.fmt.bits,
+                                  mode=self.fmt.mode)
+        return out.reshape(B, H, R, L, -1)
+
+    def finish(self, o: mx.array) -> mx.array:
+        return o
+
+
 def attend_quantized(queries: mx.array, k_parts: tuple[mx.array, ...], v_parts: tuple[mx.array, ...],
                      scale: float, mask: Any, kfmt: ComponentFormat, vfmt: ComponentFormat) -> mx.array:
     """Attention of (B, H_q, L, D) queries over quantized K/V; returns the queries' dtype.
@@ -109,8 +140,11 @@ class AffineCodec:
 
     def attend(self, queries: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.array, ...],
                scale: float, mask: Any) -> mx.array:
-        # The one place a fused quantized-attention kernel replaces.
-        return attend_quantized(queries, keys, values, scale, mask, self.scheme.keys, self.scheme.values)
+        from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
+
+        # The dispatch picks the full path, the blockwise reference or a verified kernel.
+        return dispatch.attend(queries, QuantizedFormat(self.scheme.keys), keys,
+                               QuantizedFormat(self.scheme.values), values, scale, mask)
 
 
 class QuantizedKVCache(AffineCodec, StoredKVCache):

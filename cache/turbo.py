@@ -5,7 +5,8 @@ Two phases, one direction:
     raw         prefill chunks (L > 1) store K/V as they come; attention is the fused SDPA.
     compressed  the first L = 1 call encodes everything stored (key calibration computed
                 here, once), then every new chunk is encoded on arrival; attention runs in
-                the rotated basis (``turbo_codec.attend_encoded``).
+                the rotated basis (``kvserve.kernels.dispatch.attend``; ``turbo_codec.attend_encoded``
+                is the full-context reference).
 
 Storage is one ``GrowableBuffer`` whose parts depend on the phase and the key format;
 every part is (B, H_kv, T, W), key parts first:
@@ -30,7 +31,7 @@ from kvserve.cache import registry
 from kvserve.cache.base import BatchStoredKVCache, StoredKVCache
 from kvserve.cache.buffer import DEFAULT_GRANULE, GrowableBuffer
 from kvserve.cache.scheme import KEY_SEED, KVScheme, parse_scheme  # noqa: F401 (docstrings)
-from kvserve.cache.turbo_codec import F32, attend_encoded, make_format
+from kvserve.cache.turbo_codec import F32, make_format
 
 RAW, COMPRESSED = "raw", "compressed"
 ENCODE_CHUNK = 1 << 22  # elements (B * H * tokens * D) encoded at once when compressing
@@ -178,7 +179,9 @@ class _TurboMixin:
         (B, H_q, L, D_v) in the queries' dtype."""
         if self.phase == RAW:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        return attend_encoded(queries, self._kf, keys, self._vf, values, scale, mask, self.key_scale)
+        from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
+
+        return dispatch.attend(queries, self._kf, keys, self._vf, values, scale, mask, self.key_scale)
 
     def dequantize(self) -> tuple[mx.array, mx.array]:
         """Stored keys and values decoded to the original basis, (B, H, T, D) float32 each.

@@ -287,7 +287,24 @@ def get_codec(dim: int, bits: int, seed: int) -> TurboCodec:
 
 # ----------------------------------------------------------------------------- formats
 # One class per stored component kind. Arrays are (B, H, T, W); ``scores`` takes grouped
-# queries (B, H_kv, n_rep, L, D) already multiplied by the softmax scale.
+# queries (B, H_kv, n_rep, L, D) already multiplied by the softmax scale. The attention
+# protocol of ``kvserve.kernels`` (what a format needs to serve as keys or values):
+#   prepare_queries(q, key_scale) -> q     once per step, before any block of keys
+#   scores(q, arrays) -> (B, H, R, L, T)   f32, over any slice of T
+#   accumulate(p, arrays) -> (B, H, R, L, D_v)   f32 sum_t p_t v_t in the format's basis
+#   finish(o) -> o                         once per step, back to the original basis
+
+def folded(x: mx.array, product) -> mx.array:
+    """Apply ``product`` (a matmul with (B, H, T, .) stored arrays) to grouped x
+    (B, H, R, L, .) as (B, H, R*L, .): the R query heads of a KV head become rows of one
+    product, so the stored arrays are never broadcast (copied) R times.
+
+        >>> folded(mx.ones((1, 2, 3, 1, 4)), lambda x: x @ mx.ones((1, 2, 4, 5))).shape
+        (1, 2, 3, 1, 5)
+    """
+    B, H, R, L, _ = x.shape
+    return product(x.reshape(B, H, R * L, -1)).reshape(B, H, R, L, -1)
+
 
 class RawFormat:
     """Keys kept as they came, in the activation dtype: one array (B, H, T, D)."""
@@ -305,8 +322,13 @@ class RawFormat:
 
     def scores(self, q: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
         # f32: fp16 dot products overflow on outlier-heavy keys (|k| in the hundreds).
-        k = arrays[0].astype(F32)[:, :, None]  # (B, H, 1, T, D)
-        return q @ k.swapaxes(-1, -2)  # (B, H, R, L, T)
+        return folded(q, lambda x: x @ arrays[0].astype(F32).swapaxes(-1, -2))  # (B, H, R, L, T)
+
+    def accumulate(self, p: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
+        return folded(p, lambda x: x @ arrays[0].astype(F32))  # (B, H, R, L, D)
+
+    def finish(self, o: mx.array) -> mx.array:
+        return o
 
     def decode(self, arrays: tuple[mx.array, ...], scale: mx.array | None = None) -> mx.array:
         return arrays[0].astype(F32)
@@ -336,9 +358,19 @@ class AffineFormat:
         return q
 
     def scores(self, q: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
-        w, s, b = (a[:, :, None] for a in arrays)  # (B, H, 1, T, .) broadcast over n_rep
-        return mx.quantized_matmul(q, w, s.astype(F32), b.astype(F32), transpose=True,
-                                   group_size=self.group_size, bits=self.bits)
+        w, s, b = arrays
+        return folded(q, lambda x: mx.quantized_matmul(x, w, s.astype(F32), b.astype(F32),
+                                                       transpose=True, group_size=self.group_size,
+                                                       bits=self.bits))
+
+    def accumulate(self, p: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
+        w, s, b = arrays
+        return folded(p, lambda x: mx.quantized_matmul(x, w, s.astype(F32), b.astype(F32),
+                                                       transpose=False, group_size=self.group_size,
+                                                       bits=self.bits))
+
+    def finish(self, o: mx.array) -> mx.array:
+        return o
 
     def decode(self, arrays: tuple[mx.array, ...], scale: mx.array | None = None) -> mx.array:
         w, s, b = arrays
@@ -367,14 +399,23 @@ class TurboFormat:
 
     def scores(self, q: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
         packed, norms = arrays
-        c = self.centroids(packed)[:, :, None]  # (B, H, 1, T, D)
-        return (q @ c.swapaxes(-1, -2)) * norms.swapaxes(-1, -2)[:, :, None]  # (B, H, R, L, T)
+        c = self.centroids(packed)  # (B, H, T, D) f32, transient
+        return folded(q, lambda x: x @ c.swapaxes(-1, -2)) * norms.swapaxes(-1, -2)[:, :, None]
+
+    def accumulate(self, p: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
+        """sum_t p_t n_t c[idx_t], left in the rotated basis (any slice of T)."""
+        packed, norms = arrays
+        pn = p * norms.swapaxes(-1, -2)[:, :, None]  # (B, H, R, L, T)
+        c = self.centroids(packed)  # (B, H, T, D) f32, transient
+        return folded(pn, lambda x: x @ c)  # (B, H, R, L, D)
+
+    def finish(self, o: mx.array) -> mx.array:
+        """ONE inverse rotation of the whole accumulator, not one per token."""
+        return self.codec.unrotate(o)
 
     def weighted_sum(self, p: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
         """sum_t p_t n_t c[idx_t] in the rotated basis, then ONE inverse rotation."""
-        packed, norms = arrays
-        pn = p * norms.swapaxes(-1, -2)[:, :, None]  # (B, H, R, L, T)
-        return self.codec.unrotate(pn @ self.centroids(packed)[:, :, None])  # (B, H, R, L, D)
+        return self.finish(self.accumulate(p, arrays))  # (B, H, R, L, D)
 
     def decode(self, arrays: tuple[mx.array, ...], scale: mx.array | None = None) -> mx.array:
         return self.codec.decode(*arrays, scale)

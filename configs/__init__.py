@@ -52,7 +52,11 @@ class EngineConfig:
     max_tokens_limit: int = 8192  # the largest max_tokens a request may ask for
     prefill_step_size: int = 256  # prompt tokens per forward pass (256 measured fastest on CPU)
     max_queued_requests: int = 64  # waiting requests beyond this get 429
-    max_batch_size: int = 1  # requests decoded together in one step
+    max_batch_size: int = 8  # requests running together (prefilling or decoding)
+    # Tokens one step may compute: each decoding request costs 1, prefill chunks share the
+    # rest, so a long prompt delays the running streams by at most one chunk per step.
+    # None: prefill_step_size (or max_batch_size when larger).
+    max_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_tokens <= self.max_tokens_limit,
@@ -60,6 +64,11 @@ class EngineConfig:
         _require(self.prefill_step_size >= 1, "engine.prefill_step_size must be >= 1")
         _require(self.max_queued_requests >= 1, "engine.max_queued_requests must be >= 1")
         _require(self.max_batch_size >= 1, "engine.max_batch_size must be >= 1")
+        if self.max_step_tokens is None:
+            object.__setattr__(self, "max_step_tokens", max(self.prefill_step_size, self.max_batch_size))
+        # Every decoding request must fit in one step, or a stream would skip steps.
+        _require(self.max_step_tokens >= self.max_batch_size,
+                 "engine.max_step_tokens must be >= engine.max_batch_size")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,12 @@
 """Attention kernels over each KV storage format.
 
-Today every cache family computes attention with pure MLX ops in its own file
-(``kvserve.cache.affine.attend_quantized``, ``kvserve.cache.turbo_codec.attend_encoded``);
-fused kernels, each tested against such a reference, and their dispatch live here.
+    reference.py    pure-MLX attention: ``attend_full`` (one score matrix over the whole
+                    context) and ``attend_blockwise`` (online softmax over blocks of T; the
+                    reference every fused kernel is tested against)
+    dispatch.py     ``attend``: the entry point the caches call; picks a verified fused
+                    kernel, the full path or the blockwise reference by device and T
+    bench.py        ``kvserve bench-attention`` (measurements in bench_cases.py)
+
+The caches' own full-context functions (``kvserve.cache.affine.attend_quantized``,
+``kvserve.cache.turbo_codec.attend_encoded``) stay as the per-family oracles in tests.
 """

@@ -34,10 +34,15 @@ def _parser() -> argparse.ArgumentParser:
                                            "mxfp4, mxfp8, nvfp4, turbo0v4, turbo8v3, ...")
     serve.add_argument("--max-tokens", type=int, help="max_tokens when a request gives none")
     serve.add_argument("--max-queued-requests", type=int, help="waiting requests before 429")
+    serve.add_argument("--max-batch-size", type=int, help="requests running together (default 8)")
+    serve.add_argument("--max-step-tokens", type=int,
+                       help="tokens per engine step, decodes plus prompt chunks (default 256)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
     sub.add_parser("eval-kv", add_help=False,
                    help="compare KV cache schemes against fp16 (kvserve eval-kv --help)")
+    sub.add_parser("bench-attention", add_help=False,
+                   help="time decode attention per KV format (kvserve bench-attention --help)")
 
     convert = sub.add_parser("convert", help="convert a llama GGUF into an mlx-lm model directory")
     convert.add_argument("src", help="a .gguf file (Q4_0, Q4_1, Q8_0, F16 or F32 tensors)")
@@ -57,6 +62,8 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "cache.kv_scheme": args.kv_scheme,
         "engine.max_tokens": args.max_tokens,
         "engine.max_queued_requests": args.max_queued_requests,
+        "engine.max_batch_size": args.max_batch_size,
+        "engine.max_step_tokens": args.max_step_tokens,
     })
 
 
@@ -121,18 +128,25 @@ def _exit_now(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["eval-kv"]:  # owns its arguments; needs the BLAS before mlx, like serve
-        from kvserve.server.engine.blas import enable_fast_blas
-
-        enable_fast_blas()
-        from kvserve.server.engine.eval_kv import main as eval_kv_main
-
-        return eval_kv_main(argv[1:])
+    if argv[:1] in (["eval-kv"], ["bench-attention"]):  # own their arguments and the BLAS set-up
+        return _tool(argv[0], argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         _exit_now(_run(lambda: serve(_serve_config(args))))
     return _run(lambda: convert(args.src, args.dst, args.cache_dir))
+
+
+def _tool(name: str, argv: list[str]) -> int:
+    """Subcommands that parse their own arguments; the BLAS is set up before mlx loads."""
+    from kvserve.server.engine.blas import enable_fast_blas
+
+    enable_fast_blas()
+    if name == "eval-kv":
+        from kvserve.server.engine.eval_kv import main as tool_main
+    else:
+        from kvserve.kernels.bench import main as tool_main
+    return tool_main(argv)
 
 
 def _run(command) -> int:

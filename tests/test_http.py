@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from together import together
 from servers import ServerProcess
 
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -147,6 +148,56 @@ def test_streaming_client_disconnect_frees_the_engine(server, model_id):
             if line.startswith("data: ") and '"content"' in line:
                 break  # leave after the first token
     for _ in range(100):  # the engine frees the request within a step or two
+        if httpx.get(f"{server.base_url}/health").json()["inflight"] == 0:
+            break
+        time.sleep(0.1)
+    assert httpx.get(f"{server.base_url}/health").json()["inflight"] == 0
+
+
+# --- continuous batching: concurrent requests decode together, each as if alone ---
+
+TOPICS = ["cats", "the sea", "bread", "winter", "music", "trains", "gardens", "the moon"]
+
+
+def _chat(client, model_id, topic: str, **kwargs) -> str:
+    messages = [{"role": "user", "content": f"Tell me about {topic}."}]
+    answer = client.chat.completions.create(model=model_id, messages=messages, **kwargs)
+    return answer.choices[0].message.content
+
+
+def test_eight_concurrent_greedy_chats_equal_each_alone(client, model_id):
+    kwargs = [dict(temperature=0, max_tokens=24 + 4 * i) for i in range(8)]
+    alone = [_chat(client, model_id, t, **k) for t, k in zip(TOPICS, kwargs)]
+    batched = together([lambda t=t, k=k: _chat(client, model_id, t, **k) for t, k in zip(TOPICS, kwargs)])
+    assert batched == alone
+    assert len(set(alone)) == 8
+
+
+def test_seeded_sampling_reproduces_inside_a_batch(client, model_id):
+    kwargs = [dict(temperature=1.0, top_p=0.9, seed=20 + i, max_tokens=16) for i in range(8)]
+    alone = [_chat(client, model_id, "cats", **k) for k in kwargs]
+    batched = together([lambda k=k: _chat(client, model_id, "cats", **k) for k in kwargs])
+    assert batched == alone
+    assert len(set(alone)) == 8  # one prompt, eight seeds
+
+
+def _leave_after_first_token(server, model_id) -> str:
+    body = {"model": model_id, "messages": CHAT, "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                return "left"
+    return "ended"
+
+
+def test_a_stream_that_disconnects_leaves_while_others_continue(server, client, model_id):
+    kwargs = dict(temperature=0, max_tokens=48)
+    alone = [_chat(client, model_id, t, **kwargs) for t in TOPICS[:4]]
+    calls = [lambda t=t: _chat(client, model_id, t, **kwargs) for t in TOPICS[:4]]
+    results = together(calls[:2] + [lambda: _leave_after_first_token(server, model_id)] + calls[2:])
+    assert results[2] == "left"
+    assert results[:2] + results[3:] == alone
+    for _ in range(100):
         if httpx.get(f"{server.base_url}/health").json()["inflight"] == 0:
             break
         time.sleep(0.1)

@@ -61,7 +61,11 @@ class Engine:
         self._inflight = 0
         self._busy_since: float | None = None
         self.model: LoadedModel | None = None
-        self.scheduler = Scheduler(1, config.prefill_step_size, config.max_queued_requests)
+        # submit() bounds what is in flight; the inbox may hand the scheduler all of it at
+        # once, before a step admits any, so its waiting queue holds that whole bound.
+        self.scheduler = Scheduler(config.max_batch_size, config.prefill_step_size,
+                                   config.max_queued_requests + config.max_batch_size,
+                                   config.max_step_tokens)
         self._live: dict[str, _Live] = {}
 
     # ---- called from other threads -------------------------------------------------

@@ -4,19 +4,26 @@ The scheduler never imports ``mlx`` and never touches arrays; it moves ``Request
 between a waiting queue and a running set and emits a ``StepPlan`` for the runner. A test
 imports it with ``mlx`` made unimportable to keep it that way.
 
-Example (one running request, prefill in chunks of 4, then one token per step):
+Policy (continuous batching with chunked prefill):
+  * admission is FIFO, up to ``max_running`` requests (prefilling or decoding);
+  * a step computes at most ``max_step_tokens`` tokens: every decoding request costs 1 and
+    always runs, the rest of the budget goes to prompt chunks (each at most
+    ``prefill_step_size``) of the running requests that still prefill, in admission order.
+
+Example (two requests, chunks of at most 4, a budget of 5 tokens per step):
     >>> from kvserve.server.engine.request import Request, SamplingParams
-    >>> s = Scheduler(max_running=1, prefill_step_size=4, max_waiting=8)
-    >>> r = Request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2))
-    >>> s.add(r)
-    >>> [(c.request is r, c.num_tokens) for c in s.schedule().prefill]
-    [(True, 4)]
-    >>> s.commit(StepResult(prefilled={r.request_id: 4}, sampled={}))
-    >>> [(c.num_tokens) for c in s.schedule().prefill]
-    [2]
-    >>> s.commit(StepResult(prefilled={r.request_id: 2}, sampled={r.request_id: 42}))
-    >>> [q is r for q in s.schedule().decode]
-    [True]
+    >>> s = Scheduler(max_running=2, prefill_step_size=4, max_waiting=8, max_step_tokens=5)
+    >>> a = Request([1, 2, 3], SamplingParams(), request_id="a")
+    >>> b = Request([4, 5, 6, 7, 8, 9], SamplingParams(), request_id="b")
+    >>> s.add(a); s.add(b)
+    >>> s.schedule().describe()          # a's whole prompt, b gets the 2 tokens left
+    {'prefill': [('a', 3), ('b', 2)], 'decode': []}
+    >>> s.commit(StepResult(prefilled={"a": 3, "b": 2}, sampled={"a": 42}))
+    >>> s.schedule().describe()          # a decodes (1 token), b's last 4 prompt tokens
+    {'prefill': [('b', 4)], 'decode': ['a']}
+    >>> s.commit(StepResult(prefilled={"b": 4}, sampled={"a": 7, "b": 9}))
+    >>> s.schedule().describe()
+    {'prefill': [], 'decode': ['a', 'b']}
 """
 
 from __future__ import annotations
@@ -54,6 +61,16 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.prefill and not self.decode
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this step computes: one per decoding request plus the prompt chunks."""
+        return len(self.decode) + sum(c.num_tokens for c in self.prefill)
+
+    def describe(self) -> dict[str, list]:
+        """Request ids and chunk sizes, for logs and exact tests."""
+        return {"prefill": [(c.request.request_id, c.num_tokens) for c in self.prefill],
+                "decode": [r.request_id for r in self.decode]}
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -64,12 +81,17 @@ class StepResult:
 
 
 class Scheduler:
-    """FIFO admission into at most ``max_running`` requests, chunked prefill, then decode."""
+    """FIFO admission into at most ``max_running`` requests; every step decodes all decoding
+    requests and fills the rest of a ``max_step_tokens`` budget with prompt chunks."""
 
-    def __init__(self, max_running: int, prefill_step_size: int, max_waiting: int):
+    def __init__(self, max_running: int, prefill_step_size: int, max_waiting: int,
+                 max_step_tokens: int | None = None):
         self.max_running = max_running
         self.prefill_step_size = prefill_step_size
         self.max_waiting = max_waiting
+        self.max_step_tokens = prefill_step_size if max_step_tokens is None else max_step_tokens
+        if self.max_step_tokens < max_running:  # a decoding request would miss steps
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) < max_running ({max_running})")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -84,13 +106,17 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._admit()
-        prefill = tuple(
-            PrefillChunk(r, min(self.prefill_step_size, r.prefill_remaining))
-            for r in self.running
-            if r.status in (RequestStatus.WAITING, RequestStatus.PREFILL)
-        )
         decode = tuple(r for r in self.running if r.status is RequestStatus.DECODE)
-        return StepPlan(prefill=prefill, decode=decode)
+        budget = self.max_step_tokens - len(decode)
+        prefill = []
+        for r in self.running:
+            if budget <= 0:
+                break  # budget spent: later requests wait, FIFO order is kept
+            n = min(self.prefill_step_size, r.prefill_remaining, budget)
+            if r.status in (RequestStatus.WAITING, RequestStatus.PREFILL) and n > 0:
+                prefill.append(PrefillChunk(r, n))
+                budget -= n
+        return StepPlan(prefill=tuple(prefill), decode=decode)
 
     def commit(self, result: StepResult) -> None:
         """Advance counters and states after the runner executed a plan."""

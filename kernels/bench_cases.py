@@ -1,0 +1,155 @@
+"""Measurements behind ``kvserve bench-attention``: one decode step (L = 1) of attention over
+B x H_kv x T stored tokens per implementation, timed, with its K/V bytes and peak memory.
+
+Imported only after ``kvserve.kernels.bench.main`` has chosen the BLAS (it imports mlx).
+
+    case = build_case("affine4", "ours", Shape(8, 32, 8, 128, 4096))
+    row = measure(case, repeats=5)   # {"name": "ours affine4", "ms": ..., "GB/s": ..., ...}
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+from kvserve.cache.affine import QuantizedFormat, attend_quantized, quantize_parts
+from kvserve.cache.scheme import parse_scheme
+from kvserve.cache.turbo_codec import attend_encoded, make_format
+from kvserve.kernels import dispatch, reference
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int
+    Hq: int
+    Hkv: int
+    D: int
+    T: int
+
+
+@dataclass
+class Case:
+    """``run()`` is one attention call; ``check()`` is its max abs difference from the
+    family's full-context reference (``attend_quantized`` / ``attend_encoded``), "-" for
+    the baselines, which are not ours to check."""
+
+    name: str
+    run: Callable[[], mx.array]
+    kv_bytes: int
+    check: Callable[[], float | str]
+    inputs: list
+
+
+def _nbytes(arrays) -> int:
+    return sum(a.nbytes for a in arrays)
+
+
+def _rand(shape: Shape, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    """f16 queries (B, H_q, 1, D), keys and values (B, H_kv, T, D)."""
+    s = shape
+    kq, kk, kv = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((s.B, s.Hq, 1, s.D), key=kq).astype(mx.float16)
+    k = mx.random.normal((s.B, s.Hkv, s.T, s.D), key=kk).astype(mx.float16)
+    v = mx.random.normal((s.B, s.Hkv, s.T, s.D), key=kv).astype(mx.float16)
+    return q, k, v
+
+
+def _fp16_case(shape: Shape) -> Case:
+    q, k, v = _rand(shape, 0)
+    scale = shape.D ** -0.5
+    run = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    return Case("fp16 mx.fast.sdpa", run, k.nbytes + v.nbytes, lambda: "-", [q, k, v])
+
+
+def _mlx_lm_case(shape: Shape) -> Case:
+    q, k, v = _rand(shape, 0)
+    qk, qv = mx.quantize(k, group_size=64, bits=4), mx.quantize(v, group_size=64, bits=4)
+    scale = shape.D ** -0.5
+    run = lambda: quantized_scaled_dot_product_attention(
+        q, qk, qv, scale=scale, mask=None, group_size=64, bits=4)
+    return Case("mlx-lm quantized sdpa 4-bit", run, _nbytes(qk) + _nbytes(qv), lambda: "-",
+                [q, *qk, *qv])
+
+
+def _affine_case(scheme_name: str, shape: Shape, path: str) -> Case:
+    scheme, (q, k, v) = parse_scheme(scheme_name), _rand(shape, 0)
+    kp, vp = tuple(quantize_parts(k, scheme.keys)), tuple(quantize_parts(v, scheme.values))
+    kf, vf, scale = QuantizedFormat(scheme.keys), QuantizedFormat(scheme.values), shape.D ** -0.5
+    fn = _path(path)
+    run = lambda: fn(q, kf, kp, vf, vp, scale, None)
+    want = lambda: attend_quantized(q, kp, vp, scale, None, scheme.keys, scheme.values)
+    return Case(f"ours {scheme_name} ({path})", run, _nbytes(kp) + _nbytes(vp),
+                lambda: _diff(run(), want()), [q, *kp, *vp])
+
+
+def _turbo_case(scheme_name: str, shape: Shape, path: str) -> Case:
+    scheme, (q, k, v) = parse_scheme(scheme_name), _rand(shape, 0)
+    kf, vf = make_format(scheme.keys, shape.D), make_format(scheme.values, shape.D)
+    kp, vp = tuple(kf.encode(k)), tuple(vf.encode(v))
+    mx.eval(kp, vp)
+    scale, fn = shape.D ** -0.5, _path(path)
+    run = lambda: fn(q, kf, kp, vf, vp, scale, None)
+    want = lambda: attend_encoded(q, kf, kp, vf, vp, scale, None)
+    return Case(f"ours {scheme_name} ({path})", run, _nbytes(kp) + _nbytes(vp),
+                lambda: _diff(run(), want()), [q, *kp, *vp])
+
+
+def _path(path: str) -> Callable[..., mx.array]:
+    return {"dispatch": dispatch.attend, "full": reference.attend_full,
+            "blockwise": reference.attend_blockwise}[path]
+
+
+def _diff(a: mx.array, b: mx.array) -> float:
+    return mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
+
+
+def build_case(scheme_name: str, impl: str, shape: Shape) -> Case:
+    """impl: "fp16" (mx.fast SDPA), "mlx-lm" (4-bit unfused) or a path of ours:
+    "dispatch", "full", "blockwise" over ``scheme_name``."""
+    if impl == "fp16":
+        return _fp16_case(shape)
+    if impl == "mlx-lm":
+        return _mlx_lm_case(shape)
+    if parse_scheme(scheme_name).values.kind == "turbo":
+        return _turbo_case(scheme_name, shape, impl)
+    return _affine_case(scheme_name, shape, impl)
+
+
+def measure(case: Case, repeats: int = 5, warmup: int = 2) -> dict:
+    """Median wall time, K/V bytes read per ms -> GB/s, peak memory (all live arrays, K/V
+    included) and the part of it the call itself added."""
+    mx.eval(case.inputs)
+    for _ in range(warmup):
+        mx.eval(case.run())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(case.run())
+        times.append(time.perf_counter() - t0)
+    ms = 1e3 * statistics.median(times)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(case.run())
+    peak = mx.get_peak_memory()
+    return {"name": case.name, "ms": round(ms, 3), "kv_MiB": round(case.kv_bytes / MiB, 2),
+            "GB_s": round(case.kv_bytes / (ms * 1e6), 2), "peak_MiB": round(peak / MiB, 2),
+            "extra_MiB": round((peak - base) / MiB, 2), "max_abs_diff": case.check()}
+
+
+def copy_bandwidth(n_bytes: int = 256 * MiB, repeats: int = 5) -> float:
+    """GB/s of ``x + 0`` over n_bytes of f32: reads n_bytes and writes n_bytes."""
+    x = mx.zeros((n_bytes // 4,), mx.float32)
+    mx.eval(x)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(x + 0)
+        times.append(time.perf_counter() - t0)
+    return round(2 * n_bytes / (min(times) * 1e9), 2)

@@ -1,0 +1,143 @@
+"""Continuous batching: the scheduler and the runner together, on a tiny random-weight llama.
+
+The model: hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 64 (so every quantized
+scheme applies), vocab 256. ``drive`` is the engine loop without threads: requests arrive
+at given steps, join the decode batch when their prompt completes and leave at max_tokens.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+
+from kvserve.cache import parse_scheme
+from kvserve.server.engine.request import FinishReason, Request, SamplingParams
+from kvserve.server.engine.runner import ModelRunner
+from kvserve.server.engine.scheduler import Scheduler, StepPlan
+
+# 8 prompts of 3..45 tokens and 8 lengths, so rows join and leave at different steps.
+PROMPTS = [[(7 * i + 13 * j) % 251 + 1 for j in range(3 + 6 * i)] for i in range(8)]
+MAX_TOKENS = [12, 7, 15, 9, 14, 6, 11, 13]
+
+
+@pytest.fixture(scope="module")
+def model():
+    mx.random.seed(4321)
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                           vocab_size=256)
+    m = llama.Model(args)
+    mx.eval(m.parameters())
+    return m
+
+
+def make_requests(params: list[SamplingParams]) -> list[Request]:
+    return [Request(list(p), q, request_id=f"r{i}") for i, (p, q) in enumerate(zip(PROMPTS, params))]
+
+
+def drive(runner: ModelRunner, requests: list[Request], arrivals: list[int] | None = None,
+          step_tokens: int = 24, prefill: int = 16) -> tuple[dict[str, list[int]], list[int]]:
+    """Run requests to max_tokens; returns tokens per request and the decode batch size per step."""
+    scheduler = Scheduler(max_running=8, prefill_step_size=prefill, max_waiting=16, max_step_tokens=step_tokens)
+    pending = list(zip(arrivals or [0] * len(requests), requests))
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    sizes, step = [], 0
+    while pending or scheduler.has_work:
+        for item in [p for p in pending if p[0] <= step]:
+            scheduler.add(item[1])
+            pending.remove(item)
+        plan = scheduler.schedule()
+        step += 1
+        if plan.empty:
+            continue
+        assert plan.num_tokens <= step_tokens
+        result = runner.execute(plan)
+        scheduler.commit(result)
+        sizes.append(len(plan.decode))
+        for request_id, token in result.sampled.items():
+            out[request_id].append(token)
+            request = scheduler.find(request_id)
+            if request.num_generated >= request.params.max_tokens:
+                scheduler.finish(request, FinishReason.LENGTH)
+                runner.release(request_id)
+    return out, sizes
+
+
+def alone(model, scheme: str, requests: list[Request]) -> dict[str, list[int]]:
+    out = {}
+    for r in requests:
+        fresh = Request(list(r.prompt_tokens), r.params, request_id=r.request_id)
+        out.update(drive(ModelRunner(model, parse_scheme(scheme)), [fresh])[0])
+    return out
+
+
+def greedy_params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=0.0) for n in MAX_TOKENS]
+
+
+# Greedy tokens are identical for every scheme: a row's K/V are encoded from its own tokens
+# only (padding excluded), and other rows' slots are masked. Logits differ from the request
+# alone by float rounding only (other GEMM shapes, longer masked attention rows).
+@pytest.mark.parametrize("scheme", ["fp16", "affine8", "turbo0v4"])
+def test_batch_of_8_decodes_like_each_request_alone(model, scheme):
+    runner = ModelRunner(model, parse_scheme(scheme))
+    batched, sizes = drive(runner, make_requests(greedy_params()), step_tokens=96, prefill=32)
+    assert max(sizes) == 8  # all eight decoded together at some step
+    assert batched == alone(model, scheme, make_requests(greedy_params()))
+    assert [len(batched[f"r{i}"]) for i in range(8)] == MAX_TOKENS
+    assert runner.live_requests == 0 and runner.kv_bytes == 0 and runner.batch_rows == ()
+
+
+def test_staggered_arrivals_join_and_leave_every_step(model):
+    """Requests arrive one per step, long prompts prefill in chunks while others decode."""
+    runner = ModelRunner(model, parse_scheme("fp16"))
+    batched, sizes = drive(runner, make_requests(greedy_params()), arrivals=[0, 1, 2, 3, 5, 8, 9, 13],
+                           step_tokens=10, prefill=8)
+    assert batched == alone(model, "fp16", make_requests(greedy_params()))
+    assert len(set(sizes)) >= 5  # the batch grew and shrank through many sizes
+
+
+def test_seeded_sampling_reproduces_inside_a_batch(model):
+    params = [SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, seed=100 + i)
+              for i, n in enumerate(MAX_TOKENS)]
+    batched, _ = drive(ModelRunner(model, parse_scheme("fp16")), make_requests(params))
+    assert batched == alone(model, "fp16", make_requests(params))
+    assert len({tuple(t) for t in batched.values()}) == 8  # the seeds differ, so do the samples
+
+
+def test_kv_bytes_follow_rows_joining_and_leaving(model):
+    runner = ModelRunner(model, parse_scheme("fp16"))
+    a, b = make_requests(greedy_params())[:2]
+    scheduler = Scheduler(max_running=2, prefill_step_size=64, max_waiting=4)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.commit(runner.execute(scheduler.schedule()))
+    assert runner.batch_rows == ("r0", "r1")
+    # fp16 rows of 256 slots: 2 layers * (K + V) * 2 KV heads * 64 dims * 4 bytes (f32 activations)
+    per_slot = 2 * 2 * 2 * 64 * 4
+    assert runner.kv_bytes == 2 * 256 * per_slot
+    scheduler.finish(a, FinishReason.ABORT)
+    runner.release("r0")
+    assert runner.batch_rows == ("r1",) and runner.kv_bytes == 256 * per_slot
+    runner.release("r1")
+    assert runner.kv_bytes == 0 and runner.live_requests == 0
+
+
+def test_rows_a_plan_skips_are_parked_and_rejoin(model):
+    """The runner follows any plan: a decoding request left out of a step keeps its cache."""
+    requests = make_requests(greedy_params())[:2]
+    runner = ModelRunner(model, parse_scheme("fp16"))
+    scheduler = Scheduler(max_running=2, prefill_step_size=64, max_waiting=4)
+    for r in requests:
+        scheduler.add(r)
+    out = {r.request_id: [] for r in requests}
+    plans = [scheduler.schedule(), StepPlan(decode=(requests[1],)), StepPlan(decode=tuple(requests))]
+    for plan in plans + [StepPlan(decode=tuple(requests))] * 3:
+        result = runner.execute(plan)
+        scheduler.commit(result)
+        for request_id, token in result.sampled.items():
+            out[request_id].append(token)
+    expected = alone(model, "fp16", make_requests([SamplingParams(max_tokens=n, temperature=0.0)
+                                                   for n in (5, 6)] + greedy_params()[2:]))
+    assert out == {"r0": expected["r0"], "r1": expected["r1"]}

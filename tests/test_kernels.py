@@ -1,0 +1,156 @@
+"""The blockwise reference attention equals each family's full-context path, for every scheme.
+
+Tolerances (max abs difference of outputs of unit scale): 1e-4 for f32 queries; for f16
+and bf16 queries both outputs are rounded to the queries' dtype after f32 math that differs
+only in summation order, so they may differ by about one ulp: 4e-3 (f16), 3e-2 (bf16).
+"""
+
+import doctest
+import logging
+
+import mlx.core as mx
+import pytest
+from kvserve.cache import SCHEME_NAMES, QuantizedKVCache, parse_scheme
+from kvserve.cache.affine import QuantizedFormat, attend_quantized, quantize_parts
+from kvserve.cache.base import causal_mask
+from kvserve.cache.turbo_codec import attend_encoded, make_format
+from kvserve.kernels import bench, dispatch, reference
+from kvserve.kernels.reference import attend_blockwise, attend_full
+
+TOL = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+BLOCK = 512  # T = 1100 walks [0, 512), [512, 1024) and the partial [1024, 1100)
+# (B, n_rep, D, dtype) combinations, cycled over the (scheme, T, L) grid below so every
+# value of each appears with every scheme without a 7,680-case product.
+COMBOS = [(1, 1, 64, mx.float32), (3, 2, 128, mx.float16), (3, 3, 64, mx.bfloat16),
+          (1, 4, 128, mx.float32), (3, 4, 64, mx.float16), (1, 2, 128, mx.bfloat16),
+          (3, 1, 128, mx.float32), (1, 3, 128, mx.float16)]
+H_KV = 2
+
+
+def _rand(shape, seed, dtype=mx.float32):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+def _mask(B, L, T, padded):
+    """"causal" or None for one unpadded row; a (B, 1, L, T) left-padding mask otherwise.
+    Padding never hides a whole query row (the fp16 oracle, SDPA, would give NaN there)."""
+    if not padded:
+        return "causal" if L > 1 else None
+    pads = [0, min(5, T - L), min(2, T - L)][:B]
+    return causal_mask(L, T - L, mx.array(pads))
+
+
+def _case(name, B, R, D, T, L, dtype, seed=0):
+    """(queries, key fmt, key parts, value fmt, value parts, key_scale, oracle)."""
+    scheme = parse_scheme(name)
+    q = _rand((B, H_KV * R, L, D), seed, dtype)
+    k, v = _rand((B, H_KV, T, D), seed + 1, dtype) * 2, _rand((B, H_KV, T, D), seed + 2, dtype)
+    if scheme.values.kind != "turbo" and scheme.keys.kind != "fp16":
+        kp, vp = tuple(quantize_parts(k, scheme.keys)), tuple(quantize_parts(v, scheme.values))
+        oracle = lambda s, m: attend_quantized(q, kp, vp, s, m, scheme.keys, scheme.values)
+        return q, QuantizedFormat(scheme.keys), kp, QuantizedFormat(scheme.values), vp, None, oracle
+    kf, vf = make_format(scheme.keys, D), make_format(scheme.values, D)
+    key_scale = None
+    if scheme.keys.kind == "turbo":  # a calibrated key basis: queries must be scaled too
+        key_scale = 0.5 + mx.random.uniform(shape=(B, 1, 1, D), key=mx.random.key(seed + 3))
+    kp, vp = tuple(kf.encode(k, key_scale)), tuple(vf.encode(v))
+    if scheme.name == "fp16":
+        oracle = lambda s, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=m)
+    else:
+        oracle = lambda s, m: attend_encoded(q, kf, kp, vf, vp, s, m, key_scale)
+    return q, kf, kp, vf, vp, key_scale, oracle
+
+
+GRID = [(name, T, L) for name in SCHEME_NAMES for T in (1, 63, 64, 65, 1100) for L in (1, 4)
+        if L <= T]
+
+
+@pytest.mark.parametrize("name,T,L", GRID)
+@pytest.mark.parametrize("padded", [False, True])
+def test_blockwise_equals_full_path(name, T, L, padded):
+    B, R, D, dtype = COMBOS[(GRID.index((name, T, L)) + padded) % len(COMBOS)]
+    if padded:
+        B = 3
+    q, kf, kp, vf, vp, key_scale, oracle = _case(name, B, R, D, T, L, dtype)
+    scale, mask = D ** -0.5, _mask(B, L, T, padded)
+    want = oracle(scale, mask)
+    got = attend_blockwise(q, kf, kp, vf, vp, scale, mask, key_scale, block=BLOCK)
+    full = attend_full(q, kf, kp, vf, vp, scale, mask, key_scale)
+    assert got.dtype == dtype and got.shape == (B, H_KV * R, L, D)
+    tol = TOL[dtype]
+    assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() <= tol
+    assert mx.max(mx.abs(full.astype(mx.float32) - want.astype(mx.float32))).item() <= tol
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_groups_and_dtypes_over_several_blocks(R, dtype):
+    for name in ("affine4", "nvfp4", "turbo8v3", "turbo4"):
+        q, kf, kp, vf, vp, key_scale, oracle = _case(name, 3, R, 128, 1100, 1, dtype, seed=R)
+        got = attend_blockwise(q, kf, kp, vf, vp, 0.1, None, key_scale, block=BLOCK)
+        diff = mx.abs(got.astype(mx.float32) - oracle(0.1, None).astype(mx.float32))
+        assert mx.max(diff).item() <= TOL[dtype], name
+
+
+def test_fully_masked_row_averages_like_the_full_path():
+    q, kf, kp, vf, vp, _, oracle = _case("affine8", 1, 2, 64, 700, 1, mx.float32)
+    mask = mx.zeros((1, 1, 1, 700), mx.bool_)  # a padding query sees nothing
+    got = attend_blockwise(q, kf, kp, vf, vp, 0.1, mask, block=BLOCK)
+    assert not mx.any(mx.isnan(got)).item()
+    assert mx.allclose(got, oracle(0.1, mask), atol=1e-4).item()
+
+
+def test_block_mask_slices_causal_and_arrays():
+    assert reference.block_mask("causal", 1, 1, 1, 10, 0, 5) is None
+    assert reference.block_mask(None, 2, 2, 1, 10, 0, 5) is None
+    pad = causal_mask(2, 3, mx.array([1, 0]))  # (2, 1, 2, 5)
+    got = reference.block_mask(pad, 2, 2, 2, 5, 2, 5)
+    assert got.shape == (2, 1, 1, 2, 3)
+    assert mx.array_equal(got[:, 0, 0], pad[:, 0, :, 2:5]).item()
+
+
+def test_choose_follows_the_cpu_crossover():
+    T = dispatch.CPU_FULL_MAX_T
+    assert dispatch.choose(None, None, 1, T, mx.cpu) == "full"
+    assert dispatch.choose(None, None, 1, T + 1, mx.cpu) == "blockwise"
+    assert dispatch.choose(None, None, 1, 64, mx.gpu) == "blockwise"
+
+
+def test_cache_attend_goes_through_the_dispatch(monkeypatch):
+    scheme, calls = parse_scheme("affine4"), []
+    cache = QuantizedKVCache(scheme)
+    keys, values = cache.update_and_fetch(_rand((1, 2, 70, 64), 1), _rand((1, 2, 70, 64), 2))
+    q = _rand((1, 4, 1, 64), 3)
+    monkeypatch.setattr(dispatch, "CPU_FULL_MAX_T", 0)  # force the blockwise path
+    monkeypatch.setattr(dispatch, "attend_blockwise",
+                        lambda *a, **k: calls.append(1) or attend_blockwise(*a, **k, block=32))
+    got = cache.attend(q, keys, values, 0.125, None)
+    want = attend_quantized(q, keys, values, 0.125, None, scheme.keys, scheme.values)
+    assert calls and mx.allclose(got, want, atol=1e-5).item()
+
+
+def _kernel(name, fn):
+    return dispatch.FusedKernel(name, mx.cpu, lambda kf, vf, L: True, fn)
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_unverified_kernel_runs_only_after_its_self_check(good, caplog):
+    q, kf, kp, vf, vp, _, oracle = _case("affine4", 1, 2, 64, 80, 1, mx.float32)
+    wrong = lambda *a, **k: attend_full(*a, **k) + 1.0
+    kernel = _kernel("test-kernel", attend_full if good else wrong)
+    dispatch.register_kernel(kernel)
+    try:
+        with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
+            assert dispatch.choose(kf, vf, 1, 80, mx.cpu) == "test-kernel"
+            out = dispatch.attend(q, kf, kp, vf, vp, 0.125, None)
+        assert kernel.checked is good
+        assert mx.allclose(out, oracle(0.125, None), atol=1e-4).item()
+        assert ("failed its self-check" in caplog.text) is not good
+        assert dispatch.choose(kf, vf, 1, 80, mx.cpu) == ("test-kernel" if good else "full")
+    finally:
+        dispatch.unregister_kernel("test-kernel")
+
+
+@pytest.mark.parametrize("module", [reference, dispatch, bench])
+def test_doctests(module):
+    assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
