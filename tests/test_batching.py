@@ -7,9 +7,8 @@ at given steps, join the decode batch when their prompt completes and leave at m
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from mlx_lm.models import llama
+from servers import random_llama
 
 from kvserve.cache import parse_scheme
 from kvserve.server.engine.request import FinishReason, Request, SamplingParams
@@ -23,13 +22,7 @@ MAX_TOKENS = [12, 7, 15, 9, 14, 6, 11, 13]
 
 @pytest.fixture(scope="module")
 def model():
-    mx.random.seed(4321)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-                           vocab_size=256)
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return random_llama(4321)
 
 
 def make_requests(params: list[SamplingParams]) -> list[Request]:

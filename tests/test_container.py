@@ -9,6 +9,7 @@ import json
 
 import mlx.core as mx
 import pytest
+from servers import random_llama
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -34,13 +35,7 @@ PROMPT = [3, 17, 99, 4, 250, 31, 8, 77, 120, 5, 64, 200]
 
 @pytest.fixture(scope="module")
 def model():
-    mx.random.seed(1234)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-                           vocab_size=256)
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return random_llama(1234)
 
 
 def step(model, cache, tokens: list[list[int]]) -> mx.array:
