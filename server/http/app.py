@@ -19,7 +19,7 @@ from kvserve.server.engine.loop import Engine
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.scheduler import QueueFull
 from kvserve.server.http.errors import APIError, error_response, install_error_handlers
-from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvserve.server.http.streams import ClientGone, EventStream, Shape, collect, sse_events
 
 
@@ -88,7 +88,7 @@ def _prompt_tokens(tokenizer: Any, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-def sampling_params(body: _SamplingFields, prompt_len: int, context: int, limits: EngineConfig) -> SamplingParams:
+def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits: EngineConfig) -> SamplingParams:
     """Validate lengths against the context and build the engine's sampling parameters."""
     room = context - prompt_len
     if room < 1:
@@ -106,7 +106,7 @@ def sampling_params(body: _SamplingFields, prompt_len: int, context: int, limits
                           stop=body.stop_list())
 
 
-async def _generate(engine: Engine, body: _SamplingFields, tokens: list[int], shape: Shape,
+async def _generate(engine: Engine, body: SamplingFields, tokens: list[int], shape: Shape,
                     http_request: HTTPRequest, prefix: str = ""):
     params = sampling_params(body, len(tokens), engine.model.info.context_length, engine.config)
     request = Request(prompt_tokens=tokens, params=params)

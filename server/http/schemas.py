@@ -33,7 +33,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class SamplingFields(_Body):
     model: str
     max_tokens: MaxTokens | None = None
     temperature: Temperature = 1.0
@@ -81,7 +81,7 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
 
@@ -96,6 +96,6 @@ class ChatCompletionRequest(_SamplingFields):
         ]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Union[str, Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]
     echo: bool = False
