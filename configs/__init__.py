@@ -57,6 +57,9 @@ class EngineConfig:
     # rest, so a long prompt delays the running streams by at most one chunk per step.
     # None: prefill_step_size (or max_batch_size when larger).
     max_step_tokens: int | None = None
+    # KV tokens all live requests may hold together; past it the latest decoding request is
+    # preempted (its cache swapped to disk) until room returns. None: no bound.
+    max_kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_tokens <= self.max_tokens_limit,
@@ -69,6 +72,8 @@ class EngineConfig:
         # Every decoding request must fit in one step, or a stream would skip steps.
         _require(self.max_step_tokens >= self.max_batch_size,
                  "engine.max_step_tokens must be >= engine.max_batch_size")
+        _require(self.max_kv_tokens is None or self.max_kv_tokens >= 1,
+                 "engine.max_kv_tokens must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: ``serve`` and ``convert``.
+"""The ``kvserve`` command: ``serve``, ``convert``, ``eval-kv``, ``bench-attention``, ``bench``.
 
 Errors a user can fix (a missing model, a bad GGUF, a bad config) print one line and exit
 non-zero; they never print a traceback.
@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, help="requests running together (default 8)")
     serve.add_argument("--max-step-tokens", type=int,
                        help="tokens per engine step, decodes plus prompt chunks (default 256)")
+    serve.add_argument("--max-kv-tokens", type=int,
+                       help="KV tokens all requests may hold; beyond it requests are preempted "
+                            "(swapped to disk) and resume later (default: no bound)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
     sub.add_parser("eval-kv", add_help=False,
@@ -64,6 +67,7 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "engine.max_queued_requests": args.max_queued_requests,
         "engine.max_batch_size": args.max_batch_size,
         "engine.max_step_tokens": args.max_step_tokens,
+        "engine.max_kv_tokens": args.max_kv_tokens,
     })
 
 
@@ -128,7 +132,7 @@ def _exit_now(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["eval-kv"], ["bench-attention"]):  # own their arguments and the BLAS set-up
+    if argv[:1] in (["eval-kv"], ["bench-attention"], ["bench"]):  # own their arguments and BLAS set-up
         return _tool(argv[0], argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -144,6 +148,8 @@ def _tool(name: str, argv: list[str]) -> int:
     enable_fast_blas()
     if name == "eval-kv":
         from kvserve.server.engine.eval_kv import main as tool_main
+    elif name == "bench":
+        from kvserve.bench.cli import main as tool_main
     else:
         from kvserve.kernels.bench import main as tool_main
     return tool_main(argv)

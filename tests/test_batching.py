@@ -14,6 +14,7 @@ from kvserve.cache import parse_scheme
 from kvserve.server.engine.request import FinishReason, Request, SamplingParams
 from kvserve.server.engine.runner import ModelRunner
 from kvserve.server.engine.scheduler import Scheduler, StepPlan
+from stepping import drive
 
 # 8 prompts of 3..45 tokens and 8 lengths, so rows join and leave at different steps.
 PROMPTS = [[(7 * i + 13 * j) % 251 + 1 for j in range(3 + 6 * i)] for i in range(8)]
@@ -29,39 +30,11 @@ def make_requests(params: list[SamplingParams]) -> list[Request]:
     return [Request(list(p), q, request_id=f"r{i}") for i, (p, q) in enumerate(zip(PROMPTS, params))]
 
 
-def drive(runner: ModelRunner, requests: list[Request], arrivals: list[int] | None = None,
-          step_tokens: int = 24, prefill: int = 16) -> tuple[dict[str, list[int]], list[int]]:
-    """Run requests to max_tokens; returns tokens per request and the decode batch size per step."""
-    scheduler = Scheduler(max_running=8, prefill_step_size=prefill, max_waiting=16, max_step_tokens=step_tokens)
-    pending = list(zip(arrivals or [0] * len(requests), requests))
-    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    sizes, step = [], 0
-    while pending or scheduler.has_work:
-        for item in [p for p in pending if p[0] <= step]:
-            scheduler.add(item[1])
-            pending.remove(item)
-        plan = scheduler.schedule()
-        step += 1
-        if plan.empty:
-            continue
-        assert plan.num_tokens <= step_tokens
-        result = runner.execute(plan)
-        scheduler.commit(result)
-        sizes.append(len(plan.decode))
-        for request_id, token in result.sampled.items():
-            out[request_id].append(token)
-            request = scheduler.find(request_id)
-            if request.num_generated >= request.params.max_tokens:
-                scheduler.finish(request, FinishReason.LENGTH)
-                runner.release(request_id)
-    return out, sizes
-
-
 def alone(model, scheme: str, requests: list[Request]) -> dict[str, list[int]]:
     out = {}
     for r in requests:
         fresh = Request(list(r.prompt_tokens), r.params, request_id=r.request_id)
-        out.update(drive(ModelRunner(model, parse_scheme(scheme)), [fresh])[0])
+        out.update(drive(ModelRunner(model, parse_scheme(scheme)), [fresh]).tokens)
     return out
 
 
@@ -75,7 +48,8 @@ def greedy_params() -> list[SamplingParams]:
 @pytest.mark.parametrize("scheme", ["fp16", "affine8", "turbo0v4"])
 def test_batch_of_8_decodes_like_each_request_alone(model, scheme):
     runner = ModelRunner(model, parse_scheme(scheme))
-    batched, sizes = drive(runner, make_requests(greedy_params()), step_tokens=96, prefill=32)
+    trace = drive(runner, make_requests(greedy_params()), step_tokens=96, prefill=32)
+    batched, sizes = trace.tokens, trace.sizes
     assert max(sizes) == 8  # all eight decoded together at some step
     assert batched == alone(model, scheme, make_requests(greedy_params()))
     assert [len(batched[f"r{i}"]) for i in range(8)] == MAX_TOKENS
@@ -85,8 +59,9 @@ def test_batch_of_8_decodes_like_each_request_alone(model, scheme):
 def test_staggered_arrivals_join_and_leave_every_step(model):
     """Requests arrive one per step, long prompts prefill in chunks while others decode."""
     runner = ModelRunner(model, parse_scheme("fp16"))
-    batched, sizes = drive(runner, make_requests(greedy_params()), arrivals=[0, 1, 2, 3, 5, 8, 9, 13],
-                           step_tokens=10, prefill=8)
+    trace = drive(runner, make_requests(greedy_params()), arrivals=[0, 1, 2, 3, 5, 8, 9, 13],
+                  step_tokens=10, prefill=8)
+    batched, sizes = trace.tokens, trace.sizes
     assert batched == alone(model, "fp16", make_requests(greedy_params()))
     assert len(set(sizes)) >= 5  # the batch grew and shrank through many sizes
 
@@ -94,7 +69,7 @@ def test_staggered_arrivals_join_and_leave_every_step(model):
 def test_seeded_sampling_reproduces_inside_a_batch(model):
     params = [SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, seed=100 + i)
               for i, n in enumerate(MAX_TOKENS)]
-    batched, _ = drive(ModelRunner(model, parse_scheme("fp16")), make_requests(params))
+    batched = drive(ModelRunner(model, parse_scheme("fp16")), make_requests(params)).tokens
     assert batched == alone(model, "fp16", make_requests(params))
     assert len({tuple(t) for t in batched.values()}) == 8  # the seeds differ, so do the samples
 

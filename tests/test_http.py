@@ -102,7 +102,15 @@ def _post(server, path: str, body) -> httpx.Response:
         ({"model": "tiny-llama", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
         ({"model": "tiny-llama", "messages": CHAT, "max_tokens": 100000}, "max_tokens"),
         ({"model": "tiny-llama", "messages": CHAT, "stop": ["x"] * 17}, "stop"),
-        ({"model": "tiny-llama", "messages": CHAT, "n": 2}, "n"),
+        ({"model": "tiny-llama", "messages": CHAT, "n": 9}, "n"),
+        ({"model": "tiny-llama", "messages": CHAT, "n": 0}, "n"),
+        ({"model": "tiny-llama", "messages": CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"model": "tiny-llama", "messages": CHAT, "logit_bias": {"49152": 1}}, "logit_bias"),
+        ({"model": "tiny-llama", "messages": CHAT, "logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"model": "tiny-llama", "messages": CHAT, "top_logprobs": 3}, None),
+        ({"model": "tiny-llama", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"model": "tiny-llama", "messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+        ({"model": "tiny-llama", "messages": CHAT, "min_p": -0.1}, "min_p"),
         ({"model": "tiny-llama", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": CHAT}, "model"),
         ([1, 2, 3], None),
@@ -202,3 +210,84 @@ def test_a_stream_that_disconnects_leaves_while_others_continue(server, client, 
             break
         time.sleep(0.1)
     assert httpx.get(f"{server.base_url}/health").json()["inflight"] == 0
+
+
+# --- n choices, log-probabilities, metrics ---
+
+def test_n_choices_share_the_prompt_and_stream_the_same_texts(client, model_id):
+    kwargs = dict(model=model_id, messages=CHAT, temperature=1.0, seed=5, max_tokens=10, n=3)
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) == 3  # seeds 5, 6, 7
+    assert whole.usage.completion_tokens == 30
+    single = client.chat.completions.create(**{**kwargs, "n": 1, "seed": 6})
+    assert single.choices[0].message.content == texts[1]
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts
+
+
+def test_chat_logprobs_in_openai_shape(client, model_id):
+    answer = client.chat.completions.create(model=model_id, messages=CHAT, temperature=0, max_tokens=6,
+                                            logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.token == entry.top_logprobs[0].token  # greedy: the most likely
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    streamed = client.chat.completions.create(model=model_id, messages=CHAT, temperature=0, max_tokens=6,
+                                              logprobs=True, top_logprobs=3, stream=True)
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_logprobs_legacy_shape(client, model_id):
+    answer = client.completions.create(model=model_id, prompt="Hello there", temperature=0,
+                                       max_tokens=5, logprobs=2)
+    lp = answer.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v)
+               for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_logit_bias_forces_a_token(client, model_id):
+    plain = client.completions.create(model=model_id, prompt="Hello", temperature=0, max_tokens=4, logprobs=0)
+    biased = client.completions.create(model=model_id, prompt="Hello", temperature=0, max_tokens=4,
+                                       logit_bias={"1000": 100}, logprobs=0)
+    forced = biased.choices[0].logprobs.tokens
+    assert len(set(forced)) == 1 and forced != plain.choices[0].logprobs.tokens
+
+
+def metric_values(server) -> dict[str, float]:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_in_prometheus_text_format(server, client, model_id):
+    before = metric_values(server)
+    client.chat.completions.create(model=model_id, messages=CHAT, temperature=0, max_tokens=7)
+    after = metric_values(server)
+    assert after["kvserve_generation_tokens_total"] - before["kvserve_generation_tokens_total"] == 7
+    assert after['kvserve_requests_finished_total{reason="length"}'] \
+        - before['kvserve_requests_finished_total{reason="length"}'] == 1
+    ttft = 'kvserve_time_to_first_token_seconds_count{kv_scheme="fp16"}'
+    itl = 'kvserve_inter_token_latency_seconds_count{kv_scheme="fp16"}'
+    assert after[ttft] - before[ttft] == 1 and after[itl] - before[itl] == 6
+    assert after["kvserve_prompt_tokens_total"] > before["kvserve_prompt_tokens_total"]
+    assert after['kvserve_kv_cache_bytes{kv_scheme="fp16"}'] == 0  # idle again
+    assert after["kvserve_requests_running"] == after["kvserve_requests_waiting"] == 0
+    response = httpx.get(f"{server.base_url}/metrics")
+    assert response.headers["content-type"].startswith("text/plain")

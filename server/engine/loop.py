@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvserve.configs import EngineConfig
+from kvserve.server.engine.metrics import EngineMetrics
 from kvserve.server.engine.output import OutputState, StopMatcher
-from kvserve.server.engine.request import FinishReason, Request, TokenEvent, Usage
-from kvserve.server.engine.scheduler import QueueFull, Scheduler, StepResult
+from kvserve.server.engine.request import FinishReason, Request, RequestStatus, TokenEvent, Usage
+from kvserve.server.engine.scheduler import QueueFull, Scheduler, StepPlan, StepResult
 
 log = logging.getLogger("kvserve.engine")
 
@@ -45,6 +46,7 @@ class _Live:
     request: Request
     sink: Sink
     output: OutputState
+    last_token_time: float | None = None
 
 
 class Engine:
@@ -65,8 +67,9 @@ class Engine:
         # once, before a step admits any, so its waiting queue holds that whole bound.
         self.scheduler = Scheduler(config.max_batch_size, config.prefill_step_size,
                                    config.max_queued_requests + config.max_batch_size,
-                                   config.max_step_tokens)
+                                   config.max_step_tokens, config.max_kv_tokens)
         self._live: dict[str, _Live] = {}
+        self.metrics = EngineMetrics(kv_scheme="")  # named once the model (and scheme) loaded
 
     # ---- called from other threads -------------------------------------------------
     def start(self) -> LoadedModel:
@@ -78,14 +81,17 @@ class Engine:
         return self.model
 
     def submit(self, request: Request, sink: Sink) -> None:
-        """Queue a request; raises ``QueueFull`` when the bounded queue has no room."""
+        """Queue a request (and its forks: the ``n`` choices share ``sink``, their events
+        tell them apart by ``request_id``); raises ``QueueFull`` when there is no room."""
+        size = 1 + len(request.forks)
         with self._lock:
-            if self._inflight >= self.config.max_queued_requests + self.scheduler.max_running:
+            if self._inflight + size > self.config.max_queued_requests + self.scheduler.max_running:
                 raise QueueFull(f"{self._inflight} requests are already in flight")
-            self._inflight += 1
+            self._inflight += size
         self._inbox.put(("submit", request, sink))
 
     def abort(self, request_id: str) -> None:
+        """Stop a request and all its forks."""
         self._inbox.put(("abort", request_id))
 
     def stop(self, timeout: float | None = None) -> None:
@@ -113,8 +119,12 @@ class Engine:
             self._load_error = exc
             self._ready.set()
             return
+        self.metrics.kv_scheme = self.model.info.kv_scheme
         self._ready.set()
-        self._run()
+        try:
+            self._run()
+        finally:
+            self.model.runner.close()
 
     def _run(self) -> None:
         stopping = False
@@ -122,8 +132,9 @@ class Engine:
             stopping |= self._drain_inbox(block=not self.scheduler.has_work and not stopping)
             plan = self.scheduler.schedule()
             if plan.empty:
+                self._observe_idle()
                 continue
-            self._busy_since = time.monotonic()
+            started = self._busy_since = time.monotonic()
             try:
                 result = self.model.runner.execute(plan)
             except Exception as exc:  # fail the step's requests, keep serving others
@@ -132,8 +143,10 @@ class Engine:
                 continue
             finally:
                 self._busy_since = None
+            self.metrics.step.observe(time.monotonic() - started)
             self.scheduler.commit(result)
             self._emit(result)
+            self._observe(plan)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued commands; returns True when asked to stop."""
@@ -152,43 +165,78 @@ class Engine:
             self._admit(command[1], command[2])
         elif kind == "abort":
             request = self.scheduler.find(command[1])
-            if request is not None:
-                self._finish(request, FinishReason.ABORT, "")
+            for member in ([request, *request.forks] if request is not None else []):
+                if member.request_id in self._live:
+                    self._finish(member, FinishReason.ABORT, "")
         return kind == "stop"
 
     def _admit(self, request: Request, sink: Sink) -> None:
         tokenizer = self.model.tokenizer
-        output = OutputState(
-            detokenizer=tokenizer.detokenizer,
-            matcher=StopMatcher(request.params.stop),
-            eos_token_ids=frozenset(tokenizer.eos_token_ids),
-        )
-        self._live[request.request_id] = _Live(request, sink, output)
+        for member in (request, *request.forks):
+            output = OutputState(
+                detokenizer=tokenizer.detokenizer,
+                matcher=StopMatcher(member.params.stop),
+                eos_token_ids=frozenset(tokenizer.eos_token_ids),
+            )
+            self._live[member.request_id] = _Live(member, sink, output)
         self.scheduler.add(request)
 
     def _emit(self, result: StepResult) -> None:
+        now = time.monotonic()
         for request_id, token in result.sampled.items():
             live = self._live[request_id]
             request = live.request
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
+            self._time_token(live, now)
             text, stopped = live.output.add_token(token)
+            logprobs = (result.logprobs[request_id],) if request_id in result.logprobs else ()
             if stopped:
-                self._finish(request, FinishReason.STOP, text)
+                self._finish(request, FinishReason.STOP, text, logprobs=logprobs)
             elif request.num_generated >= request.params.max_tokens:
-                self._finish(request, FinishReason.LENGTH, text + live.output.finish())
-            elif text:
-                live.sink(TokenEvent(request_id, text, (token,)))
+                self._finish(request, FinishReason.LENGTH, text + live.output.finish(), logprobs=logprobs)
+            elif text or logprobs:
+                live.sink(TokenEvent(request_id, text, (token,), logprobs=logprobs))
 
-    def _finish(self, request: Request, reason: FinishReason, text: str, error: str | None = None) -> None:
+    def _time_token(self, live: _Live, now: float) -> None:
+        request = live.request
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.metrics.ttft.observe(now - request.arrival_time)
+        elif live.last_token_time is not None:
+            self.metrics.itl.observe(now - live.last_token_time)
+        live.last_token_time = now
+        self.metrics.generated_tokens += 1
+
+    def _finish(self, request: Request, reason: FinishReason, text: str, error: str | None = None,
+                logprobs: tuple = ()) -> None:
         live = self._live.pop(request.request_id)
         self.scheduler.finish(request, reason)
         self.model.runner.release(request.request_id)
         with self._lock:
             self._inflight -= 1
+        self.metrics.finished[reason.value] += 1
+        self.metrics.e2e.observe(time.monotonic() - request.arrival_time)
         usage = Usage(request.num_prompt_tokens, request.num_generated)
-        live.sink(TokenEvent(request.request_id, text, finish_reason=reason, usage=usage, error=error))
+        live.sink(TokenEvent(request.request_id, text, finish_reason=reason, usage=usage,
+                             error=error, logprobs=logprobs))
+        for fork in request.forks:  # choices that never started die with their leader
+            if fork.status is RequestStatus.WAITING and fork.request_id in self._live:
+                self._finish(fork, reason, "", error)
 
     def _fail_running(self, message: str) -> None:
         for request in list(self.scheduler.running):
-            self._finish(request, FinishReason.ERROR, "", error=message)
+            if request.request_id in self._live:
+                self._finish(request, FinishReason.ERROR, "", error=message)
+
+    def _observe(self, plan: StepPlan) -> None:
+        """Gauges and counters after a step (read by ``GET /metrics``)."""
+        m, runner = self.metrics, self.model.runner
+        m.prompt_tokens += sum(c.num_tokens for c in plan.prefill)
+        m.preemptions += len(plan.swap_out)
+        m.waiting, m.running = len(self.scheduler.waiting), len(self.scheduler.running)
+        m.kv_bytes, m.swapped = runner.kv_bytes, runner.swapped_requests
+
+    def _observe_idle(self) -> None:
+        if self.metrics.running or self.metrics.kv_bytes:
+            self._observe(StepPlan())
+        if not self.scheduler.has_work:
+            self.model.runner.idle()

@@ -29,6 +29,7 @@ class ModelInfo:
     weight_format: str
     blas: str
     kv_scheme: str
+    vocab_size: int = 0  # rows of the embedding: token ids (prompt, logit_bias) stay below
 
     def describe(self) -> str:
         return (f"{self.model_id}: context {self.context_length}, {self.weight_format}, "
@@ -58,6 +59,7 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
         model, tokenizer, model_config = mlx_lm.load(str(source), return_config=True)
     except Exception as exc:  # mlx-lm raises many types; the user needs one line
         raise ModelLoadError(f"cannot load model {source}: {type(exc).__name__}: {exc}") from None
+    _check_scheme_fits(model, scheme)
     choice = choose_weight_format(model, config.weight_format)
     apply_weight_format(model, choice)
     install_table_rope(model)
@@ -68,9 +70,35 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
         weight_format=choice.describe(),
         blas=blas,
         kv_scheme=scheme.name,
+        vocab_size=_vocab_size(model_config, tokenizer),
     )
     log.info("model ready: %s", info.describe())
-    return LoadedModel(runner=ModelRunner(model, scheme), tokenizer=tokenizer, info=info)
+    swap_dir = config.resolved_cache_dir() / "swap"  # on disk: /tmp may be RAM-backed
+    swap_dir.mkdir(parents=True, exist_ok=True)
+    return LoadedModel(runner=ModelRunner(model, scheme, swap_dir), tokenizer=tokenizer, info=info)
+
+
+def _check_scheme_fits(model, scheme: KVScheme) -> None:
+    """One token through a fresh cache of ``scheme``: a scheme the model's head size cannot
+    take (a group larger than head_dim) fails here, at start-up, not on every request."""
+    import mlx.core as mx
+
+    from kvserve.cache import PromptCache
+
+    try:
+        cache = PromptCache.for_model(model, scheme)
+        model(mx.array([[0]]), cache=cache)
+        cache.maybe_convert()
+        model(mx.array([[0]]), cache=cache)  # a decode step: TurboQuant compresses here
+        mx.eval(cache.state)
+    except ValueError as exc:
+        raise ModelLoadError(f"KV scheme {scheme.name} does not fit this model: {exc}") from None
+
+
+def _vocab_size(model_config: dict, tokenizer) -> int:
+    """Ids the model embeds and the tokenizer names: the smaller of the two counts."""
+    embedded = model_config.get("vocab_size") or model_config.get("text_config", {}).get("vocab_size")
+    return min(int(embedded), len(tokenizer)) if embedded else len(tokenizer)
 
 
 def model_id_for(spec: str | None, source: Path | str) -> str:

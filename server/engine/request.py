@@ -34,20 +34,45 @@ class FinishReason(str, enum.Enum):
 class SamplingParams:
     """Per-request sampling. ``temperature == 0`` means greedy.
 
+    ``top_k == 0`` and ``min_p == 0`` switch those filters off. The penalties follow
+    OpenAI: a token's logit loses ``presence_penalty`` once it has been generated and
+    ``frequency_penalty`` per time it was generated; ``logit_bias`` adds to chosen logits.
+    ``logprobs`` asks for the log-probability of each sampled token and ``top_logprobs``
+    for that many alternatives, both from the model's own distribution (before penalties,
+    filters and temperature).
+
     Example:
-        >>> SamplingParams(max_tokens=8, temperature=0.0).greedy
-        True
+        >>> p = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((5, -100.0),))
+        >>> p.greedy, p.adjusts_logits, p.plain_greedy
+        (True, True, False)
     """
 
     max_tokens: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a bias change the logits before sampling."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits: such rows of a batch are sampled together."""
+        return self.greedy and not self.adjusts_logits
 
 
 @dataclass
@@ -68,6 +93,16 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
+    # Choices 2..n of an ``n > 1`` request: they share this request's prefill and start
+    # decoding, each with its own sampler, from the step its prompt completes.
+    forks: list[Request] = field(default_factory=list)
+    fork_of: str | None = None
+    swapped: bool = False  # preempted: its cache is on disk, its sampler kept
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens in this request's KV cache (the last sampled token is not in it yet)."""
+        return self.num_computed + max(self.num_generated - 1, 0)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +128,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the ``top_logprobs`` most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """What the engine sends to a request's outbox after each step.
 
@@ -104,5 +148,6 @@ class TokenEvent:
     text: str
     token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
     usage: Usage | None = None
     error: str | None = None

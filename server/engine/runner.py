@@ -12,23 +12,31 @@ whose rows are the decoding requests; a decode step is ONE forward over all of t
 
 Rows never see each other (the mask hides other rows' slots and padding), so a request
 decodes alone or inside any batch to the same tokens, up to float rounding.
+
+The choices of an ``n > 1`` request (its forks) get copies of their leader's cache when its
+prompt completes, and their first tokens are sampled from the same logits. A preempted
+request's cache is written to a swap file and read back bit-identical when it resumes.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import mlx.core as mx
 
-from kvserve.cache import KVScheme, PromptCache
+from kvserve.cache import KVScheme, PromptCache, load_layers, save_layers
 from kvserve.server.engine.fastpath import last_logits
 from kvserve.server.engine.request import Request
-from kvserve.server.engine.sampler import RequestSampler
+from kvserve.server.engine.sampler import Pick, RequestSampler, sample_rows
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
 
 
 class ModelRunner:
     """Holds the model, the caches and samplers of live requests; runs on the engine thread."""
 
-    def __init__(self, model, scheme: KVScheme):
+    def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None):
         self.model = model
         self.scheme = scheme
         self._samplers: dict[str, RequestSampler] = {}
@@ -36,28 +44,50 @@ class ModelRunner:
         self._batch: PromptCache | None = None  # decoding requests, one row each
         self._rows: list[str] = []  # request id of each batch row
         self._last: dict[str, int] = {}  # last sampled token, the next decode input
+        self._swap_root = swap_dir
+        self._swap_dir: Path | None = None  # made on the first preemption
+        self._swapped: dict[str, Path] = {}
+        self._swap_count = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
-        sampled = self._decode(plan.decode) if plan.decode else {}
+        for request in plan.swap_out:
+            self._swap_out(request.request_id)
+        for request in plan.swap_in:
+            self._swap_in(request.request_id)
+        picks = self._decode(plan.decode) if plan.decode else {}
         prefilled: dict[str, int] = {}
         joining: list[str] = []
         for chunk in plan.prefill:
-            request_id = chunk.request.request_id
-            token = self._prefill(chunk)
-            prefilled[request_id] = chunk.num_tokens
-            if token is not None:
-                sampled[request_id] = token
-                joining.append(request_id)
+            prefilled[chunk.request.request_id] = chunk.num_tokens
+            done = self._prefill(chunk)
+            picks.update(done)
+            joining.extend(done)
         self._join(joining)  # after the decode: they decode from the next step on
-        return StepResult(prefilled=prefilled, sampled=sampled)
+        return StepResult(prefilled=prefilled, sampled={r: p.token for r, p in picks.items()},
+                          logprobs={r: p.logprob for r, p in picks.items() if p.logprob is not None})
 
     def release(self, request_id: str) -> None:
         """Free a request's cache (its batch row leaves); called when it finishes or is aborted."""
         self._samplers.pop(request_id, None)
         self._single.pop(request_id, None)
         self._last.pop(request_id, None)
+        swap = self._swapped.pop(request_id, None)
+        if swap is not None:
+            swap.unlink(missing_ok=True)
         if request_id in self._rows:
             self._keep([r for r in self._rows if r != request_id])
+
+    def idle(self) -> None:
+        """Nothing is live: hand MLX's cached buffers back to the system, so memory returns
+        to its baseline between bursts of requests."""
+        if not self._samplers:
+            mx.clear_cache()
+
+    def close(self) -> None:
+        """Remove the swap directory (the engine calls this when it stops)."""
+        if self._swap_dir is not None:
+            shutil.rmtree(self._swap_dir, ignore_errors=True)
+            self._swap_dir, self._swapped = None, {}
 
     @property
     def live_requests(self) -> int:
@@ -74,8 +104,14 @@ class ModelRunner:
         batch = self._batch.nbytes if self._batch is not None else 0
         return batch + sum(cache.nbytes for cache in self._single.values())
 
+    @property
+    def swapped_requests(self) -> int:
+        return len(self._swapped)
+
     # ---- prefill: one request at a time, on its own B = 1 cache ------------------------
-    def _prefill(self, chunk: PrefillChunk) -> int | None:
+    def _prefill(self, chunk: PrefillChunk) -> dict[str, Pick]:
+        """Feed a prompt chunk; the chunk that completes the prompt samples the first token
+        of the request and of each of its forks, which get copies of the cache."""
         request = chunk.request
         cache = self._single_cache(request)
         start = request.num_computed
@@ -84,12 +120,19 @@ class ModelRunner:
             self.model(tokens, cache=cache)
             cache.maybe_convert()
             mx.eval(cache.state)
-            return None
+            return {}
         logits = last_logits(self.model, tokens, cache)  # (1, V)
         cache.maybe_convert()
-        token = self._samplers[request.request_id].sample(logits).item()
-        self._last[request.request_id] = token
-        return token
+        forks = [f for f in request.forks if not f.finished]  # an aborted choice stays out
+        group = [request, *forks]
+        for fork in forks:  # one object: the join's merge copies it into each row
+            self._samplers[fork.request_id] = RequestSampler(fork.params)
+            self._single[fork.request_id] = cache
+        ids = [r.request_id for r in group]
+        picks = sample_rows([self._samplers[r] for r in ids],
+                            mx.broadcast_to(logits, (len(ids), logits.shape[-1])))
+        self._last.update((r, p.token) for r, p in zip(ids, picks))
+        return dict(zip(ids, picks))
 
     def _single_cache(self, request: Request) -> PromptCache:
         request_id = request.request_id
@@ -99,18 +142,34 @@ class ModelRunner:
         return self._single[request_id]
 
     # ---- decode: one forward over every decoding request --------------------------------
-    def _decode(self, requests: tuple[Request, ...]) -> dict[str, int]:
+    def _decode(self, requests: tuple[Request, ...]) -> dict[str, Pick]:
         planned = [r.request_id for r in requests]
         self._park([r for r in self._rows if r not in planned])
         self._join([r for r in planned if r not in self._rows])
         tokens = mx.array([[self._last[r]] for r in self._rows])  # (B, 1)
         logits = self.model(tokens, cache=self._batch)[:, -1, :]  # (B, V)
         self._batch.maybe_convert()
-        # Each row with its own sampler: per-request temperature, top_p and PRNG key.
-        picks = [self._samplers[r].sample(logits[b : b + 1]) for b, r in enumerate(self._rows)]
-        values = mx.concatenate(picks).tolist()  # one evaluation for the whole batch
-        self._last.update(zip(self._rows, values))
-        return dict(zip(self._rows, values))
+        # Each row with its own sampler: per-request filters, penalties and PRNG key.
+        picks = sample_rows([self._samplers[r] for r in self._rows], logits)
+        self._last.update((r, p.token) for r, p in zip(self._rows, picks))
+        return dict(zip(self._rows, picks))
+
+    # ---- preemption: a request's cache goes to a swap file and comes back as it was -----
+    def _swap_out(self, request_id: str) -> None:
+        if request_id in self._rows:
+            self._park([request_id])
+        cache = self._single.pop(request_id)
+        if self._swap_dir is None:
+            self._swap_dir = Path(tempfile.mkdtemp(prefix="kvserve-swap-", dir=self._swap_root))
+        self._swap_count += 1  # file names never carry request input
+        path = self._swap_dir / f"{self._swap_count}.safetensors"
+        self._swapped[request_id] = save_layers(path, cache.layers)
+
+    def _swap_in(self, request_id: str) -> None:
+        path = self._swapped.pop(request_id)
+        layers, _ = load_layers(path)
+        path.unlink()
+        self._single[request_id] = PromptCache(layers, self.scheme)
 
     def _join(self, request_ids: list[str]) -> None:
         """Move B = 1 caches into the decode batch as new rows (one merge, one extend)."""

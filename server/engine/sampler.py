@@ -1,39 +1,117 @@
-"""Per-request token sampling with a private random key.
+"""Per-request token sampling inside one batch, each request with a private random key.
 
 Each request carries its own PRNG key, split once per sampled token, so a seeded request
 produces the same tokens whatever else the engine is doing (no global random state).
-The filtering helpers come from mlx-lm.
+The filters (top-k, top-p, min-p) come from mlx-lm; the penalties and the bias follow
+OpenAI's definitions over the tokens generated so far, applied as one sparse add.
 
-Example:
+Example (row 0 greedy, row 1 greedy with token 1 banned by a bias):
     >>> import mlx.core as mx
-    >>> s = RequestSampler(SamplingParams(temperature=0.0))
-    >>> s.sample(mx.array([[0.1, 2.0, -1.0]])).item()
-    1
+    >>> rows = [RequestSampler(SamplingParams(temperature=0.0)),
+    ...         RequestSampler(SamplingParams(temperature=0.0, logit_bias=((1, -100.0),)))]
+    >>> [p.token for p in sample_rows(rows, mx.array([[0.1, 2.0, -1.0], [0.1, 2.0, -1.0]]))]
+    [1, 0]
 """
 
 from __future__ import annotations
 
 import secrets
+from collections import Counter
+from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from kvserve.server.engine.request import SamplingParams
+from kvserve.server.engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One row's sampled token and, if the request asked, its log-probabilities."""
+
+    token: int
+    logprob: TokenLogprob | None = None
 
 
 class RequestSampler:
+    """Sampling state of one request: its parameters, PRNG key and generated-token counts."""
+
     def __init__(self, params: SamplingParams):
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed)
+        self._bias = dict(params.logit_bias)
+        self._counts: Counter[int] = Counter()
+
+    def observe(self, token: int) -> None:
+        """Count a generated token (the penalties look at these counts)."""
+        if self.params.adjusts_logits:
+            self._counts[token] += 1
+
+    def adjust(self, logits: mx.array) -> mx.array:
+        """``logits`` (1, V) plus the bias minus the penalties, as one sparse add."""
+        params = self.params
+        delta = dict(self._bias)
+        for token, count in self._counts.items():
+            penalty = params.frequency_penalty * count + params.presence_penalty
+            delta[token] = delta.get(token, 0.0) - penalty
+        if not delta:
+            return logits
+        ids = mx.array(list(delta.keys()))
+        return logits.astype(mx.float32).at[:, ids].add(mx.array(list(delta.values())))
 
     def sample(self, logits: mx.array) -> mx.array:
         """``logits`` (1, V) -> token id array of shape (1,)."""
-        if self.params.greedy:
+        logits = self.adjust(logits)
+        params = self.params
+        if params.greedy:
             return mx.argmax(logits, axis=-1)
         logprobs = logits.astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-        if 0.0 < self.params.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.params.top_p)
+        if 0 < params.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, params.top_k)
+        if 0.0 < params.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, params.top_p)
+        if params.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, params.min_p)
         self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1.0 / self.params.temperature), key=sub)
+        return mx.random.categorical(logprobs * (1.0 / params.temperature), key=sub)
+
+
+def sample_rows(samplers: list[RequestSampler], logits: mx.array) -> list[Pick]:
+    """Sample row ``b`` of ``logits`` (B, V) with ``samplers[b]``, in one evaluation.
+
+    Plain greedy rows share one argmax over the whole batch; the others sample alone.
+    """
+    greedy = mx.argmax(logits, axis=-1)  # (B,)
+    own = {b: s.sample(logits[b : b + 1]) for b, s in enumerate(samplers)
+           if not s.params.plain_greedy}
+    tokens = mx.concatenate([own[b] if b in own else greedy[b : b + 1]
+                             for b in range(len(samplers))]) if samplers else greedy
+    wanted = [b for b, s in enumerate(samplers) if s.params.logprobs]
+    scored = {b: _logprob_arrays(logits[b], tokens[b], samplers[b].params.top_logprobs)
+              for b in wanted}
+    mx.eval(tokens, scored)
+    values = tokens.tolist()
+    for b, token in enumerate(values):
+        samplers[b].observe(token)
+    return [Pick(token, _token_logprob(token, scored[b]) if b in scored else None)
+            for b, token in enumerate(values)]
+
+
+def _logprob_arrays(row: mx.array, token: mx.array, k: int) -> tuple[mx.array, ...]:
+    """Log-softmax of one row (V,): the sampled token's value and the top ``k`` (ids, values)."""
+    logprobs = row.astype(mx.float32) - mx.logsumexp(row.astype(mx.float32))
+    chosen = logprobs[token]
+    if k <= 0:
+        return (chosen,)
+    ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+    return chosen, ids, logprobs[ids]
+
+
+def _token_logprob(token: int, arrays: tuple[mx.array, ...]) -> TokenLogprob:
+    chosen = arrays[0].item()
+    if len(arrays) == 1:
+        return TokenLogprob(token, chosen)
+    top = sorted(zip(arrays[1].tolist(), arrays[2].tolist()), key=lambda t: (-t[1], t[0]))
+    return TokenLogprob(token, chosen, tuple(top))

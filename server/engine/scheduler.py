@@ -5,10 +5,16 @@ between a waiting queue and a running set and emits a ``StepPlan`` for the runne
 imports it with ``mlx`` made unimportable to keep it that way.
 
 Policy (continuous batching with chunked prefill):
-  * admission is FIFO, up to ``max_running`` requests (prefilling or decoding);
+  * admission is FIFO, up to ``max_running`` requests (prefilling or decoding); the choices
+    of an ``n > 1`` request (its ``forks``) are admitted together and share its prefill;
   * a step computes at most ``max_step_tokens`` tokens: every decoding request costs 1 and
     always runs, the rest of the budget goes to prompt chunks (each at most
-    ``prefill_step_size``) of the running requests that still prefill, in admission order.
+    ``prefill_step_size``) of the running requests that still prefill, in admission order;
+  * with ``max_kv_tokens``, KV memory is a budget too: a request is admitted only when its
+    whole prompt fits beside what the running requests hold, and when decoding outgrows the
+    budget the most recently admitted decoding request is *preempted*: its cache is swapped
+    out (``StepPlan.swap_out``), it waits at the head of the queue and is swapped back in
+    (``StepPlan.swap_in``) when room returns, to continue exactly where it stopped.
 
 Example (two requests, chunks of at most 4, a budget of 5 tokens per step):
     >>> from kvserve.server.engine.request import Request, SamplingParams
@@ -31,7 +37,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvserve.server.engine.request import FinishReason, Request, RequestStatus
+from kvserve.server.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
 
 
 class QueueFull(Exception):
@@ -52,14 +58,17 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the runner does in one step: prompt chunks to prefill and requests to decode."""
+    """What the runner does in one step, in this order: swap caches out, swap caches in,
+    decode the decoding requests, prefill prompt chunks."""
 
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[Request, ...] = ()
+    swap_out: tuple[Request, ...] = ()
+    swap_in: tuple[Request, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.prefill and not self.decode and not self.swap_out
 
     @property
     def num_tokens(self) -> int:
@@ -67,9 +76,13 @@ class StepPlan:
         return len(self.decode) + sum(c.num_tokens for c in self.prefill)
 
     def describe(self) -> dict[str, list]:
-        """Request ids and chunk sizes, for logs and exact tests."""
-        return {"prefill": [(c.request.request_id, c.num_tokens) for c in self.prefill],
-                "decode": [r.request_id for r in self.decode]}
+        """Request ids and chunk sizes, for logs and exact tests (swaps only when present)."""
+        out: dict[str, list] = {"prefill": [(c.request.request_id, c.num_tokens) for c in self.prefill],
+                                "decode": [r.request_id for r in self.decode]}
+        for name in ("swap_out", "swap_in"):
+            if getattr(self, name):
+                out[name] = [r.request_id for r in getattr(self, name)]
+        return out
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,7 @@ class StepResult:
 
     prefilled: dict[str, int] = field(default_factory=dict)
     sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # rows that asked
 
 
 class Scheduler:
@@ -85,38 +99,47 @@ class Scheduler:
     requests and fills the rest of a ``max_step_tokens`` budget with prompt chunks."""
 
     def __init__(self, max_running: int, prefill_step_size: int, max_waiting: int,
-                 max_step_tokens: int | None = None):
+                 max_step_tokens: int | None = None, max_kv_tokens: int | None = None):
         self.max_running = max_running
         self.prefill_step_size = prefill_step_size
         self.max_waiting = max_waiting
         self.max_step_tokens = prefill_step_size if max_step_tokens is None else max_step_tokens
         if self.max_step_tokens < max_running:  # a decoding request would miss steps
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) < max_running ({max_running})")
+        self.max_kv_tokens = max_kv_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
+        """Queue a request (with its forks, if any) at the back."""
+        if len(request.forks) + 1 > self.max_running:
+            raise ValueError(f"{len(request.forks) + 1} choices exceed max_running ({self.max_running})")
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
         self.waiting.append(request)
 
     def schedule(self) -> StepPlan:
-        self._admit()
+        swap_in = self._admit()
+        swap_out = self._preempt()
         decode = tuple(r for r in self.running if r.status is RequestStatus.DECODE)
         budget = self.max_step_tokens - len(decode)
+        kv_room = self._kv_room() - len(decode)
         prefill = []
         for r in self.running:
-            if budget <= 0:
+            if budget <= 0 or kv_room <= 0:
                 break  # budget spent: later requests wait, FIFO order is kept
-            n = min(self.prefill_step_size, r.prefill_remaining, budget)
-            if r.status in (RequestStatus.WAITING, RequestStatus.PREFILL) and n > 0:
+            n = min(self.prefill_step_size, r.prefill_remaining, budget, kv_room)
+            if r.status in (RequestStatus.WAITING, RequestStatus.PREFILL) and r.fork_of is None and n > 0:
                 prefill.append(PrefillChunk(r, n))
                 budget -= n
-        return StepPlan(prefill=tuple(prefill), decode=decode)
+                kv_room -= n
+        return StepPlan(prefill=tuple(prefill), decode=decode, swap_out=swap_out,
+                        swap_in=tuple(r for r in swap_in if r not in swap_out))
 
     def commit(self, result: StepResult) -> None:
         """Advance counters and states after the runner executed a plan."""
@@ -126,6 +149,8 @@ class Scheduler:
                 request.num_computed += done
                 request.status = RequestStatus.PREFILL
             if request.request_id in result.sampled:
+                if request.fork_of is not None and request.status is RequestStatus.WAITING:
+                    request.num_computed = request.num_prompt_tokens  # its leader's prefill
                 request.num_generated += 1
                 request.status = RequestStatus.DECODE
 
@@ -142,8 +167,73 @@ class Scheduler:
         for request in (*self.running, *self.waiting):
             if request.request_id == request_id:
                 return request
+            for fork in request.forks:
+                if fork.request_id == request_id and not fork.finished:
+                    return fork
         return None
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
-            self.running.append(self.waiting.popleft())
+    # ---- admission and KV memory -----------------------------------------------------
+    def _admit(self) -> list[Request]:
+        """Admit from the head of the queue while requests and KV memory allow (FIFO: the
+        head blocks the rest). Returns the swapped-out requests admitted back."""
+        swap_in = []
+        while self.waiting:
+            head = self.waiting[0]
+            size = 1 if head.swapped else 1 + len(head.forks)
+            if len(self.running) + size > self.max_running or not self._fits(head, size):
+                break
+            self.waiting.popleft()
+            if head.swapped:
+                head.swapped = False
+                swap_in.append(head)
+                self.running.append(head)
+            else:
+                self.running.extend([head, *head.forks])
+        return swap_in
+
+    def _fits(self, head: Request, size: int) -> bool:
+        """Room for ``head`` and one decode step of everything running with it."""
+        if self.max_kv_tokens is None or not self.running:
+            return True  # an empty engine admits anything: a lone request is never stuck
+        step = len(self.running) + size
+        return self._held() + self._need(head) + step <= self.max_kv_tokens
+
+    def _preempt(self) -> tuple[Request, ...]:
+        """Swap out the latest-admitted decoding requests until this step's decode fits."""
+        if self.max_kv_tokens is None:
+            return ()
+        victims = []
+        while True:
+            decoding = [r for r in self.running if r.status is RequestStatus.DECODE]
+            if self._held() + len(decoding) <= self.max_kv_tokens or len(self.running) <= 1 \
+                    or not decoding:
+                break
+            victim = decoding[-1]
+            self.running.remove(victim)
+            victim.swapped = True
+            victims.append(victim)
+            self.num_preemptions += 1
+        for victim in reversed(victims):  # the earliest admitted resumes first
+            self.waiting.appendleft(victim)
+        return tuple(victims)
+
+    def _kv_room(self) -> int:
+        if self.max_kv_tokens is None:
+            return 1 << 62
+        reserved = sum(r.prefill_remaining * len(r.forks) for r in self.running)
+        return self.max_kv_tokens - self._cached() - reserved
+
+    def _cached(self) -> int:
+        return sum(r.num_cached for r in self.running)
+
+    def _held(self) -> int:
+        """KV tokens the running requests hold or have reserved (whole prompts of forks)."""
+        return sum(self._need(r) for r in self.running if r.fork_of is None) \
+            + sum(r.num_cached for r in self.running if r.fork_of is not None)
+
+    @staticmethod
+    def _need(r: Request) -> int:
+        """KV tokens ``r`` holds once its prompt is in (its forks copy the prompt)."""
+        if r.swapped:
+            return r.num_cached
+        return r.num_cached + r.prefill_remaining * (1 + len(r.forks))

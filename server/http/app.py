@@ -7,18 +7,20 @@ Handlers validate, tokenize (chat template included), check the context length a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kvserve.configs import EngineConfig
 from kvserve.server.engine.loop import Engine
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.scheduler import QueueFull
 from kvserve.server.http.errors import APIError, error_response, install_error_handlers
+from kvserve.server.http.logprobs import LogprobFormat
 from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvserve.server.http.streams import ClientGone, EventStream, Shape, collect, sse_events
 
@@ -29,6 +31,11 @@ def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="kvserve", version="0.1.0")
     install_error_handlers(app)
     created = int(time.time())
+    logprobs = LogprobFormat(model.tokenizer)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health():
@@ -49,15 +56,17 @@ def create_app(engine: Engine) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
         _check_model(body.model, model.info.model_id)
         tokens = _chat_tokens(model.tokenizer, body)
-        shape = Shape(chat=True, model=model.info.model_id, id_prefix="chatcmpl")
+        shape = Shape(chat=True, model=model.info.model_id, id_prefix="chatcmpl",
+                      logprobs=logprobs if body.logprob_request()[0] else None)
         return await _generate(engine, body, tokens, shape, http_request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http_request: HTTPRequest):
         _check_model(body.model, model.info.model_id)
-        tokens = _prompt_tokens(model.tokenizer, body.prompt)
+        tokens = _prompt_tokens(model.tokenizer, body.prompt, model.info.vocab_size)
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
-        shape = Shape(chat=False, model=model.info.model_id, id_prefix="cmpl")
+        shape = Shape(chat=False, model=model.info.model_id, id_prefix="cmpl",
+                      logprobs=logprobs if body.logprob_request()[0] else None)
         return await _generate(engine, body, tokens, shape, http_request, prefix)
 
     return app
@@ -77,19 +86,19 @@ def _chat_tokens(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     return list(tokens)
 
 
-def _prompt_tokens(tokenizer: Any, prompt: str | list[int]) -> list[int]:
+def _prompt_tokens(tokenizer: Any, prompt: str | list[int], vocab: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return list(tokenizer.encode(prompt))
-    vocab = len(tokenizer)
     if any(t >= vocab for t in prompt):
         raise APIError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
     return list(prompt)
 
 
-def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits: EngineConfig) -> SamplingParams:
-    """Validate lengths against the context and build the engine's sampling parameters."""
+def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits: EngineConfig,
+                    vocab_size: int) -> SamplingParams:
+    """Validate lengths and token ids against the model and build the sampling parameters."""
     room = context - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context}",
@@ -101,22 +110,52 @@ def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits:
         raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds "
                        f"this model's context of {context}", param="max_tokens",
                        code="context_length_exceeded")
+    if body.n > limits.max_batch_size:
+        raise APIError(400, f"n must be at most {limits.max_batch_size} (the batch size)", param="n")
+    bias = body.bias_pairs()
+    if any(token >= vocab_size for token, _ in bias):
+        raise APIError(400, f"logit_bias token ids must be below the vocabulary size {vocab_size}",
+                       param="logit_bias")
+    logprobs, top = body.logprob_request()
     return SamplingParams(max_tokens=min(requested or limits.max_tokens, room),
-                          temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                          stop=body.stop_list())
+                          temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                          min_p=body.min_p, presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty, logit_bias=bias,
+                          seed=body.seed, stop=body.stop_list(), logprobs=logprobs, top_logprobs=top)
+
+
+def make_request(tokens: list[int], params: SamplingParams, n: int) -> Request:
+    """One engine request; choices 2..n are its forks (seeded ones with seeds s+1, s+2, ...).
+
+    >>> r = make_request([1, 2], SamplingParams(seed=7), 3)
+    >>> [f.params.seed for f in r.forks], r.forks[0].fork_of == r.request_id
+    ([8, 9], True)
+    """
+    leader = Request(prompt_tokens=tokens, params=params)
+    for i in range(1, n):
+        seed = None if params.seed is None else params.seed + i
+        fork_params = dataclasses.replace(params, seed=seed)
+        leader.forks.append(Request(prompt_tokens=tokens, params=fork_params, fork_of=leader.request_id))
+    return leader
 
 
 async def _generate(engine: Engine, body: SamplingFields, tokens: list[int], shape: Shape,
                     http_request: HTTPRequest, prefix: str = ""):
-    params = sampling_params(body, len(tokens), engine.model.info.context_length, engine.config)
-    request = Request(prompt_tokens=tokens, params=params)
-    stream = EventStream()
+    params = sampling_params(body, len(tokens), engine.model.info.context_length, engine.config,
+                             engine.model.info.vocab_size)
+    request = make_request(tokens, params, body.n)
+    members = [request, *request.forks]
+    stream = EventStream([r.request_id for r in members])
     try:
         engine.submit(request, stream.sink)
     except QueueFull:
         raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
                        headers={"Retry-After": "1"}) from None
-    abort = lambda: engine.abort(request.request_id)  # noqa: E731
+
+    def abort() -> None:
+        for member in members:
+            engine.abort(member.request_id)
+
     if body.stream:
         events = sse_events(shape, stream, body.include_usage, abort, prefix)
         return StreamingResponse(events, media_type="text/event-stream",

@@ -13,13 +13,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_TOP_LOGPROBS = 20  # chat; legacy completions allow 5
+MAX_CHOICES = 128  # a schema bound; the engine's batch size bounds n further
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=0, le=1 << 20)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 MaxTokens = Annotated[int, Field(ge=1)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 Stop = Union[str, list[str], None]
@@ -42,7 +49,31 @@ class SamplingFields(_Body):
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1  # several choices arrive with batching
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    top_k: TopK = 0  # not in OpenAI's API; 0 switches it off (as vLLM and mlx-lm accept)
+    min_p: MinP = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Bias] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+        for key in value:
+            if not key.isascii() or not key.isdigit() or len(key) > 9:
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:20]!r}")
+        return value
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+
+    def logprob_request(self) -> tuple[bool, int]:
+        """``(logprobs wanted, top alternatives)``; each endpoint spells these its own way."""
+        return False, 0
 
     @field_validator("stop")
     @classmethod
@@ -84,6 +115,17 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def logprob_request(self) -> tuple[bool, int]:
+        return self.logprobs, (self.top_logprobs or 0) if self.logprobs else 0
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -99,3 +141,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Union[str, Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]]
     echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # legacy: the number of alternatives
+
+    def logprob_request(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0

@@ -11,11 +11,13 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
 
-from kvserve.server.engine.request import FinishReason, TokenEvent, Usage
+from kvserve.server.engine.request import FinishReason, TokenEvent, TokenLogprob, Usage
+from kvserve.server.http.logprobs import LogprobFormat
 
 # How often a non-streaming handler checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -26,12 +28,21 @@ class ClientGone(Exception):
 
 
 class EventStream:
-    """An asyncio queue fed from the engine thread."""
+    """An asyncio queue fed from the engine thread with the events of ``request_ids`` (the
+    choices of one HTTP request); ``finished`` once every one of them has finished."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_ids: Sequence[str]) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self.finished = False
+        self.request_ids = list(request_ids)
+        self._open = set(request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
+
+    def index(self, event: TokenEvent) -> int:
+        return self.request_ids.index(event.request_id)
 
     def sink(self, event: TokenEvent) -> None:
         try:
@@ -48,17 +59,20 @@ class EventStream:
                 if http_request is not None and await http_request.is_disconnected():
                     raise ClientGone() from None
                 continue
-            self.finished = event.finish_reason is not None
+            if event.finish_reason is not None:
+                self._open.discard(event.request_id)
             return event
 
 
 @dataclass(frozen=True)
 class Shape:
-    """How one endpoint names things: chat completions or text completions."""
+    """How one endpoint names things: chat completions or text completions; ``logprobs``
+    formats log-probabilities when the request asked for them."""
 
     chat: bool
     model: str
     id_prefix: str
+    logprobs: LogprobFormat | None = None
 
     @property
     def object(self) -> str:
@@ -66,6 +80,11 @@ class Shape:
 
     def new_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
+
+    def logprobs_json(self, records: list[TokenLogprob], offset: int) -> dict | None:
+        if self.logprobs is None:
+            return None
+        return self.logprobs.chat(records) if self.chat else self.logprobs.legacy(records, offset)
 
 
 def usage_json(usage: Usage | None) -> dict | None:
@@ -82,36 +101,49 @@ def finish_reason_json(reason: FinishReason | None) -> str | None:
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
-def _choice(shape: Shape, text: str, reason: str | None) -> dict:
+def _choice(shape: Shape, index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
     if shape.chat:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": reason}
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _delta(shape: Shape, text: str, reason: str | None, first: bool = False) -> dict:
+def _delta(shape: Shape, index: int, text: str, reason: str | None, first: bool = False,
+           logprobs: dict | None = None) -> dict:
     if shape.chat:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def total_usage(usages: list[Usage | None]) -> Usage | None:
+    """The choices share one prompt: it counts once, their completions add up."""
+    known = [u for u in usages if u is not None]
+    if not known:
+        return None
+    return Usage(known[0].prompt_tokens, sum(u.completion_tokens for u in known))
 
 
 async def collect(shape: Shape, stream: EventStream, http_request: HTTPRequest, prefix: str = "") -> dict:
-    """Wait for the whole generation and build the non-streaming response body."""
-    parts = [prefix]
-    while True:
+    """Wait for every choice to finish and build the non-streaming response body."""
+    n = len(stream.request_ids)
+    parts: list[list[str]] = [[prefix] for _ in range(n)]
+    records: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    usages: list[Usage | None] = [None] * n
+    while not stream.finished:
         event = await stream.next(http_request)
-        parts.append(event.text)
+        if event.error:
+            raise RuntimeError(event.error)
+        i = stream.index(event)
+        parts[i].append(event.text)
+        records[i].extend(event.logprobs)
         if event.finish_reason is not None:
-            break
-    if event.error:
-        raise RuntimeError(event.error)
-    return {
-        "id": shape.new_id(), "object": shape.object, "created": int(time.time()),
-        "model": shape.model,
-        "choices": [_choice(shape, "".join(parts), finish_reason_json(event.finish_reason))],
-        "usage": usage_json(event.usage),
-    }
+            reasons[i], usages[i] = finish_reason_json(event.finish_reason), event.usage
+    choices = [_choice(shape, i, "".join(parts[i]), reasons[i], shape.logprobs_json(records[i], len(prefix)))
+               for i in range(n)]
+    return {"id": shape.new_id(), "object": shape.object, "created": int(time.time()),
+            "model": shape.model, "choices": choices, "usage": usage_json(total_usage(usages))}
 
 
 def _sse(payload: dict) -> str:
@@ -120,9 +152,13 @@ def _sse(payload: dict) -> str:
 
 async def sse_events(shape: Shape, stream: EventStream, include_usage: bool,
                      on_close: Callable[[], None], prefix: str = "") -> AsyncIterator[str]:
-    """Server-sent events: a first chunk, one chunk per text event, the finish, usage, [DONE]."""
+    """Server-sent events: a first chunk per choice, one chunk per text event, each choice's
+    finish, then usage and [DONE]."""
     chunk_id, created = shape.new_id(), int(time.time())
     obj = "chat.completion.chunk" if shape.chat else "text_completion"
+    n = len(stream.request_ids)
+    offsets = [len(prefix)] * n  # legacy logprobs count characters per choice
+    usages: list[Usage | None] = [None] * n
 
     def chunk(choices: list, usage: dict | None = None) -> str:
         body = {"id": chunk_id, "object": obj, "created": created, "model": shape.model,
@@ -133,19 +169,22 @@ async def sse_events(shape: Shape, stream: EventStream, include_usage: bool,
 
     try:
         if shape.chat or prefix:
-            yield chunk([_delta(shape, prefix, None, first=True)])
-        while True:
+            for i in range(n):
+                yield chunk([_delta(shape, i, prefix, None, first=True)])
+        while not stream.finished:
             event = await stream.next()
-            reason = finish_reason_json(event.finish_reason)
+            i, reason = stream.index(event), finish_reason_json(event.finish_reason)
             if event.error:
                 yield _sse({"error": {"message": event.error, "type": "server_error",
                                       "param": None, "code": None}})
-            elif event.text or reason:
-                yield chunk([_delta(shape, event.text, reason)])
+            elif event.text or reason or event.logprobs:
+                logprobs = shape.logprobs_json(list(event.logprobs), offsets[i])
+                yield chunk([_delta(shape, i, event.text, reason, logprobs=logprobs)])
+            offsets[i] += len(event.text)
             if reason is not None:
-                break
+                usages[i] = event.usage
         if include_usage:
-            yield chunk([], usage_json(event.usage))
+            yield chunk([], usage_json(total_usage(usages)))
         yield "data: [DONE]\n\n"
     finally:
         if not stream.finished:

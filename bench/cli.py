@@ -1,0 +1,177 @@
+"""``kvserve bench``: C concurrent streams against servers, with mlx_lm.server as the peer.
+
+    kvserve bench --target "kvserve:--kv-scheme affine4" --target "mlx_lm:" \\
+        --concurrency 8 --requests 16 --prompt-tokens 100 --max-tokens 64 --out docs/benchmarks/batching
+    kvserve bench --url http://127.0.0.1:8000 --model default     # a server already running
+
+Targets run one after another on the same model directory (default: the default model),
+each warmed up with one request first. ``--overhead`` adds, for kvserve targets, a steady
+phase (``--concurrency`` streams that start together) whose inter-token latency is compared
+with the model step alone (``kvserve.bench.step``). ``--out`` writes PATH.md and PATH.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+from kvserve.bench.load import chat_bodies, run_load
+from kvserve.bench.report import markdown_table, write_chart
+from kvserve.bench.targets import Running, Target
+
+_TEXT = files("kvserve.server.engine") / "data" / "eval-gpl-3.0.txt"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvserve bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", action="append", default=[], help="kind[:args], kind kvserve or mlx_lm")
+    p.add_argument("--url", help="drive a server that is already running instead")
+    p.add_argument("--model", help="model directory for targets; with --url, the request's model")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--baseline", help="label of the target the ratios refer to (default: the last)")
+    p.add_argument("--overhead", action="store_true", help="measure kvserve's overhead over the model step")
+    p.add_argument("--out", help="write OUT.md and OUT.png")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    return p.parse_args(argv)
+
+
+def make_prompts(model_dir: Path | None, n: int, tokens: int) -> list[str]:
+    """``n`` different passages of about ``tokens`` tokens (distinct, so no server can
+    answer one from another's prompt cache)."""
+    words = _TEXT.read_text().split()
+    per = max(8, int(tokens * 0.72))  # English prose: ~1.4 tokens per word
+    if model_dir is not None:
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        tok = load_tokenizer(Path(model_dir))
+        sample = " ".join(words[:per])
+        per = max(8, int(per * tokens / len(tok.encode(sample))))
+    return [f"Summarize this passage in a few sentences:\n{' '.join(words[i * per:(i + 1) * per])}"
+            for i in range(n)]
+
+
+def _default_model_dir() -> Path:
+    from kvserve.configs import ModelConfig
+    from kvserve.server.engine.model_source import resolve_model
+
+    return Path(resolve_model(None, ModelConfig().resolved_cache_dir()))
+
+
+def bench_target(target: Target, model_dir: Path, args, prompts: list[str]) -> dict:
+    print(f"bench: starting {target.label}", file=sys.stderr, flush=True)
+    running = Running(target, model_dir)
+    try:
+        run_load(running.base_url, chat_bodies(running.model_name, prompts[:1], 8), 1)  # warm-up
+        result = run_load(running.base_url, chat_bodies(running.model_name, prompts, args.max_tokens),
+                          args.concurrency)
+        row = {"label": target.label, **result.summary()}
+        if args.overhead and target.kind == "kvserve":
+            row["overhead"] = steady_itl(running, prompts, args)
+    finally:
+        running.stop()
+    print(f"bench: {target.label}: {row['output_tok_s']:.1f} output tok/s, "
+          f"{row['errors']} errors", file=sys.stderr, flush=True)
+    return row
+
+
+def steady_itl(running: Running, prompts: list[str], args) -> dict:
+    """All streams start together with equal prompts lengths: median gap between tokens."""
+    bodies = chat_bodies(running.model_name, prompts[: args.concurrency], 2 * args.max_tokens)
+    result = run_load(running.base_url, bodies, args.concurrency)
+    return {"itl_p50": result.summary()["itl_p50"]}
+
+
+def add_model_steps(rows: list[dict], targets: list[Target], model_dir: Path, args) -> None:
+    from kvserve.bench.step import model_step_seconds
+
+    for row, target in zip(rows, targets):
+        if "overhead" not in row:
+            continue
+        scheme = target.args[target.args.index("--kv-scheme") + 1] if "--kv-scheme" in target.args else "fp16"
+        step = model_step_seconds(model_dir, scheme, batch=args.concurrency,
+                                  context=args.prompt_tokens + args.max_tokens)
+        row["overhead"].update(model_step_s=step, ratio=row["overhead"]["itl_p50"] / step)
+
+
+def machine() -> str:
+    cpu = platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name")) + f" ({platform.machine()})"
+    except (OSError, StopIteration):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu}, {cores} cores, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+def render(rows: list[dict], args, model: str, argv: list[str], chart: str | None) -> str:
+    from importlib.metadata import version
+
+    baseline = args.baseline or rows[-1]["label"]
+    lines = [f"# Concurrent streams: {args.concurrency} streams, {args.requests} requests", "",
+             f"- date: {datetime.date.today().isoformat()}", f"- machine: {machine()}",
+             f"- mlx {version('mlx')}, mlx-lm {version('mlx-lm')}", f"- model: `{model}`",
+             f"- prompts of about {args.prompt_tokens} tokens (all different), up to "
+             f"{args.max_tokens} output tokens, greedy, streamed",
+             f"- command: `kvserve bench {shlex.join(argv)}`", "",
+             markdown_table(rows, baseline), "",
+             f"Ratios are output tokens/s against `{baseline}`. TTFT is from sending the request "
+             "to the first streamed text; TPOT is (E2E - TTFT) / (tokens - 1); ITL is the gap "
+             "between streamed chunks."]
+    overhead = [r for r in rows if "model_step_s" in r.get("overhead", {})]
+    if overhead:
+        lines += ["", "Steady decoding (all streams start together): the inter-token latency "
+                  "clients see against the model step alone, measured in-process on the same "
+                  "model, scheme and batch size.", "",
+                  "| server | ITL p50 (ms) | model step (ms) | server adds |", "|---|---|---|---|"]
+        for r in overhead:
+            o = r["overhead"]
+            lines.append(f"| {r['label']} | {o['itl_p50'] * 1000:.1f} | {o['model_step_s'] * 1000:.1f} "
+                         f"| {(o['ratio'] - 1) * 100:+.1f}% |")
+    if chart:
+        lines += ["", f"![chart]({chart})"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.url:
+        prompts = make_prompts(Path(args.model) if args.model and Path(args.model).is_dir() else None,
+                               args.requests, args.prompt_tokens)
+        result = run_load(args.url, chat_bodies(args.model or "default", prompts, args.max_tokens),
+                          args.concurrency)
+        rows = [{"label": args.url, **result.summary()}]
+        model = args.model or "default"
+    else:
+        if not args.target:
+            print("kvserve bench: give --url or at least one --target", file=sys.stderr)
+            return 2
+        targets = [Target.parse(t) for t in args.target]
+        model_dir = Path(args.model) if args.model else _default_model_dir()
+        prompts = make_prompts(model_dir, args.requests, args.prompt_tokens)
+        rows = [bench_target(t, model_dir, args, prompts) for t in targets]
+        if args.overhead:
+            add_model_steps(rows, targets, model_dir, args)
+        model = str(model_dir)
+    chart = None
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        title = f"{args.concurrency} concurrent streams, {args.prompt_tokens}-token prompts, {args.max_tokens} output tokens"
+        chart = out.with_suffix(".png").name if write_chart(rows, out.with_suffix(".png"), title) else None
+        out.with_suffix(".md").write_text(render(rows, args, model, argv, chart))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(markdown_table(rows, args.baseline or rows[-1]["label"]))
+    return 0 if all(r["errors"] == 0 for r in rows) else 1

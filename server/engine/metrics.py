@@ -1,0 +1,125 @@
+"""Engine metrics in the Prometheus text format (version 0.0.4), without a client library.
+
+The engine thread records; ``GET /metrics`` renders. Counters and histograms only grow, so
+a render that races a step reads at worst one step behind; a lock keeps each histogram's
+buckets, sum and count consistent with each other.
+
+Example:
+    >>> m = Histogram("kvserve_step_seconds", "Engine step time.", (0.01, 0.1))
+    >>> m.observe(0.05); m.observe(0.5)
+    >>> print("\\n".join(m.render({"kv_scheme": "fp16"})))
+    # HELP kvserve_step_seconds Engine step time.
+    # TYPE kvserve_step_seconds histogram
+    kvserve_step_seconds_bucket{kv_scheme="fp16",le="0.01"} 0
+    kvserve_step_seconds_bucket{kv_scheme="fp16",le="0.1"} 1
+    kvserve_step_seconds_bucket{kv_scheme="fp16",le="+Inf"} 2
+    kvserve_step_seconds_sum{kv_scheme="fp16"} 0.55
+    kvserve_step_seconds_count{kv_scheme="fp16"} 2
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+# Latency buckets in seconds: from one fast decode step to a long queue wait.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+    return "{" + inner + "}"
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(value: float) -> str:
+    return repr(round(value, 9)) if isinstance(value, float) else str(value)
+
+
+@dataclass
+class Histogram:
+    name: str
+    help: str
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            i = bisect.bisect_left(self.buckets, value)
+            if i < len(self.counts):
+                self.counts[i] += 1
+            self.total += value
+            self.count += 1
+
+    def render(self, labels: dict[str, str]) -> list[str]:
+        with self._lock:
+            counts, total, count = list(self.counts), self.total, self.count
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        running = 0
+        for bound, n in zip(self.buckets, counts):
+            running += n
+            lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _num(bound)})} {running}")
+        lines.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {count}")
+        lines.append(f"{self.name}_sum{_labels(labels)} {_num(total)}")
+        lines.append(f"{self.name}_count{_labels(labels)} {count}")
+        return lines
+
+
+class EngineMetrics:
+    """What the engine thread records; ``render`` reads it from any thread."""
+
+    def __init__(self, kv_scheme: str):
+        self.kv_scheme = kv_scheme
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.preemptions = 0
+        self.finished: Counter[str] = Counter()
+        self.waiting = 0
+        self.running = 0
+        self.kv_bytes = 0
+        self.swapped = 0
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.")
+        self.itl = Histogram("kvserve_inter_token_latency_seconds",
+                             "Time between consecutive tokens of a request.")
+        self.e2e = Histogram("kvserve_request_latency_seconds", "Time from arrival to the finish.")
+        self.step = Histogram("kvserve_step_seconds", "Time of one engine step (model and sampling).")
+
+    def render(self) -> str:
+        """The whole exposition."""
+        scheme = {"kv_scheme": self.kv_scheme}
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help: str, value: float, labels: dict[str, str] | None = None):
+            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}",
+                          f"{name}{_labels(labels or {})} {_num(value)}"])
+
+        metric("kvserve_requests_waiting", "gauge", "Requests queued, not yet running.", self.waiting)
+        metric("kvserve_requests_running", "gauge", "Requests prefilling or decoding.", self.running)
+        metric("kvserve_requests_swapped", "gauge", "Preempted requests whose cache is on disk.", self.swapped)
+        metric("kvserve_kv_cache_bytes", "gauge", "Bytes allocated by the KV caches of live requests.",
+               self.kv_bytes, scheme)
+        metric("kvserve_prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.prompt_tokens)
+        metric("kvserve_generation_tokens_total", "counter", "Tokens generated.", self.generated_tokens)
+        metric("kvserve_preemptions_total", "counter", "Requests swapped out for KV memory.", self.preemptions)
+        lines += ["# HELP kvserve_requests_finished_total Finished requests by finish reason.",
+                  "# TYPE kvserve_requests_finished_total counter"]
+        for reason in ("stop", "length", "abort", "error"):
+            lines.append(f'kvserve_requests_finished_total{{reason="{reason}"}} {self.finished[reason]}')
+        for hist in (self.ttft, self.itl, self.e2e, self.step):
+            lines += hist.render(scheme)
+        return "\n".join(lines) + "\n"
