@@ -34,7 +34,7 @@ def formula_bytes(fmt: ComponentFormat, d: int) -> float:
         return d * fmt.bits / 8 + 2 * 2 * d / fmt.group_size
     if fmt.kind == "mx":  # one 8-bit shared scale per block
         return d * fmt.bits / 8 + d / fmt.group_size
-    return 4 * math.ceil(d * fmt.bits / 32) + 4  # turbo: packed words + f32 norm
+    return float(4 * math.ceil(d * fmt.bits / 32) + 4)  # turbo: packed words + f32 norm
 
 
 def measure(name: str, d: int, tokens: int) -> dict:

@@ -207,6 +207,37 @@ class TurboCodec:
     def words(self) -> int:
         return packed_words(self.dim, self.bits)
 
+    def lookup(self, packed: mx.array) -> mx.array:
+        """Centroid values of packed indices: (..., W) uint32 -> (..., dim) float32.
+
+        Where whole indices fit a 16-bit half-word (1, 2, 4 and 8 bits, dim * bits a
+        multiple of 16), each half-word is looked up at once in a table of its
+        16 // bits centroid values: 4x fewer gathers than one per index, and no unpacking
+        (MLX's CPU gather costs about as much per element as the unpacking ops together).
+        Other widths unpack and gather per index.
+
+            >>> c = get_codec(64, 4, 43)
+            >>> idx = mx.arange(64, dtype=mx.uint32)[None] % 16
+            >>> bool(mx.array_equal(c.lookup(pack_indices(idx, 4)), mx.take(c.centroids, idx)))
+            True
+        """
+        table = self._half_word_table()
+        if table is None:
+            return mx.take(self.centroids, unpack_indices(packed, self.bits, self.dim))
+        halves = packed.view(mx.uint16)  # little-endian: index j sits in half-word j // per
+        return mx.take(table, halves, axis=0).reshape(*packed.shape[:-1], -1)[..., : self.dim]
+
+    def _half_word_table(self) -> mx.array | None:
+        if 16 % self.bits or (self.dim * self.bits) % 16:
+            return None
+        cached = self.__dict__.get("_table")
+        if cached is None:
+            per, codes = 16 // self.bits, np.arange(1 << 16, dtype=np.uint32)
+            idx = np.stack([(codes >> (self.bits * i)) & ((1 << self.bits) - 1) for i in range(per)], axis=-1)
+            cached = mx.take(self.centroids, mx.array(idx.astype(np.int32)))  # (65536, per)
+            object.__setattr__(self, "_table", cached)
+        return cached
+
     @property
     def norm_corrected(self) -> bool:
         return not is_power_of_two(self.dim)
@@ -252,7 +283,7 @@ class TurboCodec:
     def decode_rotated(self, packed: mx.array, norms: mx.array,
                        scale: mx.array | None = None) -> mx.array:
         """(..., W), (..., 1) -> (..., d) float32 in the rotated basis: n * c[idx] (* s)."""
-        c = mx.take(self.centroids, unpack_indices(packed, self.bits, self.dim))
+        c = self.lookup(packed)
         return (c * scale if scale is not None else c) * norms
 
     def decode(self, packed: mx.array, norms: mx.array, scale: mx.array | None = None) -> mx.array:
@@ -395,7 +426,7 @@ class TurboFormat:
         return q * scale[:, :, None] if scale is not None else q  # scale (B,1,1,D)
 
     def centroids(self, packed: mx.array) -> mx.array:
-        return mx.take(self.codec.centroids, unpack_indices(packed, self.codec.bits, self.dim))
+        return self.codec.lookup(packed)
 
     def scores(self, q: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
         packed, norms = arrays

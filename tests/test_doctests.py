@@ -6,17 +6,19 @@ import pkgutil
 
 import pytest
 
+import kvserve.bench
 import kvserve.cache
 import kvserve.configs
 import kvserve.server
 
-PACKAGES = (kvserve.cache, kvserve.configs, kvserve.server)
+PACKAGES = (kvserve.bench, kvserve.cache, kvserve.configs, kvserve.server)
 # Modules whose import needs the BLAS chosen before mlx loads are still safe here:
 # the test process has already imported mlx through other tests or fixtures.
 MODULES = sorted(
     info.name
     for package in PACKAGES
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
+    if not info.name.rsplit(".", 1)[-1].startswith("_")  # private launchers run elsewhere
 )
 
 

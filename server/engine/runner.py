@@ -33,6 +33,41 @@ from kvserve.server.engine.sampler import Pick, RequestSampler, sample_rows
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
 
 
+# Prompts prefill into raw (fp16) layers, converted to the scheme when the prompt completes:
+# the prompt attends to itself exactly and at full speed (one fused attention instead of
+# quantized matmuls), and decoding reads the scheme. Prompts longer than this convert once
+# they reach it, which bounds the raw copy.
+RAW_PREFILL_TOKENS = 2048
+
+# Whole prompts prefill together while the padding this adds stays below this share of
+# their tokens (padding is computed and thrown away).
+MAX_PADDING_SHARE = 0.25
+
+
+def group_whole_prompts(chunks: tuple[PrefillChunk, ...]) -> tuple[list[PrefillChunk], list[PrefillChunk]]:
+    """Split a step's chunks into prompts prefilled together and the rest.
+
+    Together: whole prompts from their first token, without forks, longest first, as long
+    as the left padding stays under ``MAX_PADDING_SHARE`` of their tokens; at least two.
+
+        >>> from kvserve.server.engine.request import Request, SamplingParams
+        >>> cs = [PrefillChunk(Request(list(range(n)), SamplingParams()), n) for n in (10, 9, 2)]
+        >>> [[c.num_tokens for c in g] for g in group_whole_prompts(tuple(cs))]
+        [[10, 9], [2]]
+    """
+    whole = sorted((c for c in chunks if c.request.num_computed == 0 and c.completes_prompt
+                    and not c.request.forks), key=lambda c: -c.num_tokens)
+    together: list[PrefillChunk] = []
+    for c in whole:
+        tokens = sum(x.num_tokens for x in together) + c.num_tokens
+        padding = (len(together) + 1) * (whole[0].num_tokens) - tokens
+        if padding <= MAX_PADDING_SHARE * tokens:
+            together.append(c)
+    if len(together) < 2:
+        return [], list(chunks)
+    return together, [c for c in chunks if c not in together]
+
+
 class ModelRunner:
     """Holds the model, the caches and samplers of live requests; runs on the engine thread."""
 
@@ -55,14 +90,16 @@ class ModelRunner:
         for request in plan.swap_in:
             self._swap_in(request.request_id)
         picks = self._decode(plan.decode) if plan.decode else {}
-        prefilled: dict[str, int] = {}
+        prefilled = {c.request.request_id: c.num_tokens for c in plan.prefill}
+        together, alone = group_whole_prompts(plan.prefill)
         joining: list[str] = []
-        for chunk in plan.prefill:
-            prefilled[chunk.request.request_id] = chunk.num_tokens
+        for chunk in alone:
             done = self._prefill(chunk)
             picks.update(done)
             joining.extend(done)
         self._join(joining)  # after the decode: they decode from the next step on
+        if together:
+            picks.update(self._prefill_together(together))
         return StepResult(prefilled=prefilled, sampled={r: p.token for r, p in picks.items()},
                           logprobs={r: p.logprob for r, p in picks.items() if p.logprob is not None})
 
@@ -122,7 +159,7 @@ class ModelRunner:
             mx.eval(cache.state)
             return {}
         logits = last_logits(self.model, tokens, cache)  # (1, V)
-        cache.maybe_convert()
+        cache.convert()
         forks = [f for f in request.forks if not f.finished]  # an aborted choice stays out
         group = [request, *forks]
         for fork in forks:  # one object: the join's merge copies it into each row
@@ -134,12 +171,42 @@ class ModelRunner:
         self._last.update((r, p.token) for r, p in zip(ids, picks))
         return dict(zip(ids, picks))
 
+    def _prefill_together(self, chunks: list[PrefillChunk]) -> dict[str, Pick]:
+        """Whole prompts in one left-padded forward (a larger matmul per weight read than
+        one forward each); the batch cache then joins the decode batch as it is.
+
+            prompts  [a b c] [d e]     tokens  a b c      left_padding [0, 1]
+                                               0 d e      (slot 0 of row 1 is masked)
+        """
+        requests = [c.request for c in chunks]
+        width = max(r.num_prompt_tokens for r in requests)
+        padding = [width - r.num_prompt_tokens for r in requests]
+        for r in requests:
+            self._samplers[r.request_id] = RequestSampler(r.params)
+        cache = PromptCache.merge([self._new_cache() for _ in requests])
+        cache.prepare(left_padding=padding)
+        tokens = mx.array([[0] * pad + r.prompt_tokens for r, pad in zip(requests, padding)])  # (B, L)
+        logits = last_logits(self.model, tokens, cache)  # (B, V)
+        cache.convert()
+        ids = [r.request_id for r in requests]
+        picks = sample_rows([self._samplers[r] for r in ids], logits)
+        self._last.update((r, p.token) for r, p in zip(ids, picks))
+        if self._batch is None:
+            self._batch = cache
+        else:
+            self._batch.extend(cache)
+        self._rows.extend(ids)
+        return dict(zip(ids, picks))
+
     def _single_cache(self, request: Request) -> PromptCache:
         request_id = request.request_id
         if request_id not in self._samplers:
             self._samplers[request_id] = RequestSampler(request.params)
-            self._single[request_id] = PromptCache.for_model(self.model, self.scheme)
+            self._single[request_id] = self._new_cache()
         return self._single[request_id]
+
+    def _new_cache(self) -> PromptCache:
+        return PromptCache.for_model(self.model, self.scheme, quantize_after=RAW_PREFILL_TOKENS)
 
     # ---- decode: one forward over every decoding request --------------------------------
     def _decode(self, requests: tuple[Request, ...]) -> dict[str, Pick]:
