@@ -78,9 +78,23 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """KV cache scheme for every request (``kvserve.cache.scheme`` has the grammar)."""
+    """KV cache scheme for every request (``kvserve.cache.scheme`` has the grammar) and the
+    prefix cache: prompt caches kept in RAM, spilled to files that survive restarts."""
 
     kv_scheme: str = "fp16"
+    prompt_cache_ram_gb: float = 1.0  # 0: no RAM tier
+    prompt_cache_disk_gb: float = 8.0  # 0: no SSD tier
+    # None: <model cache dir>/prompt-cache/<model, tokenizer and scheme>; one directory per
+    # namespace, as files of another namespace are evicted first.
+    prompt_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.prompt_cache_ram_gb >= 0, "cache.prompt_cache_ram_gb must be >= 0")
+        _require(self.prompt_cache_disk_gb >= 0, "cache.prompt_cache_disk_gb must be >= 0")
+
+    @property
+    def prefix_enabled(self) -> bool:
+        return self.prompt_cache_ram_gb > 0 or self.prompt_cache_disk_gb > 0
 
 
 @dataclass(frozen=True)
@@ -88,9 +102,23 @@ class HTTPConfig:
     host: str = "127.0.0.1"  # loopback unless the operator opens it on purpose
     port: int = 8000
     log_level: str = "info"
+    # Bearer key every route but /health requires; None: no authentication (loopback use).
+    api_key: str | None = None
+    # Origins allowed to call from a browser; empty: no CORS headers at all.
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 4 << 20  # larger bodies get 413 before they are parsed
+    max_header_bytes: int = 16 << 10  # the request line and headers together (HTTP parser)
+    # SIGTERM: how long in-flight requests may run on before they are aborted.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"http.port must be in 0..65535, got {self.port}")
+        _require(self.api_key is None or len(self.api_key) >= 8,
+                 "http.api_key must have at least 8 characters")
+        object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
+        _require(self.max_body_bytes >= 1024, "http.max_body_bytes must be >= 1024")
+        _require(self.max_header_bytes >= 1024, "http.max_header_bytes must be >= 1024")
+        _require(self.drain_timeout_s >= 0, "http.drain_timeout_s must be >= 0")
 
 
 @dataclass(frozen=True)

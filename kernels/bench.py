@@ -1,14 +1,17 @@
 """``kvserve bench-attention``: decode attention over fp16 and compressed K/V, one run.
 
-    kvserve bench-attention --device cpu [--json] [--contexts 1024,2048,4096]
+    kvserve bench-attention [--device cpu|gpu] [--json] [--contexts 1024,2048,4096]
 
 For each context T: fp16 ``mx.fast.scaled_dot_product_attention``, mlx-lm's unfused
-quantized path on 4-bit K/V, and ours (full path and blockwise reference; "dispatch"
-marks the one ``kvserve.kernels.dispatch`` picks at that T) for affine4, mxfp4, turbo0v4
-and turbo8v3; B=8, 32 query heads over 8 KV heads, D=128, L=1. Columns: median ms, K/V
-MiB read, effective GB/s (K/V bytes / time), peak MiB of all live arrays (K/V included)
-and the MiB the call added on top, max |ours - family's full-context reference|.
-The machine's copy bandwidth (``x + 0`` over 256 MiB) is the ceiling for GB/s.
+quantized path on 4-bit K/V, and ours for affine4, mxfp4, turbo0v4 and turbo8v3 (on a
+GPU also affine8); B=8, 32 query heads over 8 KV heads, D=128, L=1. Ours is, on the CPU,
+the full path and the blockwise reference ("dispatch" marks the one
+``kvserve.kernels.dispatch`` picks at that T); on an NVIDIA GPU, the CUDA kernels of
+``kvserve.kernels.cuda_attention`` (default contexts 1K to 64K there). Columns: median ms,
+K/V MiB read, effective GB/s (K/V bytes / time), peak MiB of all live arrays (K/V
+included) and the MiB the call added on top, max |ours - family's full-context
+reference| (computed on the CPU stream, up to T=8192). The machine's copy bandwidth
+(``x + 0`` over 256 MiB) is the ceiling for GB/s.
 """
 
 from __future__ import annotations
@@ -19,52 +22,86 @@ import platform
 import sys
 
 SCHEMES = ("affine4", "mxfp4", "turbo0v4", "turbo8v3")
+GPU_SCHEMES = ("affine4", "affine8", "mxfp4", "turbo0v4", "turbo8v3")
+GPU_CONTEXTS = "1024,4096,16384,32768,65536"
+GPU_CALLS = 10  # calls evaluated together per timing on a GPU (see bench_cases.measure)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvserve bench-attention", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--json", action="store_true", help="one JSON document instead of a table")
-    p.add_argument("--contexts", default="1024,2048,4096", help="comma-separated T values")
+    p.add_argument("--contexts", default="",
+                   help=f"comma-separated T values (default 1024,2048,4096; GPU {GPU_CONTEXTS})")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
     return p.parse_args(argv)
 
 
-def plan(schemes=SCHEMES) -> list[tuple[str, str]]:
+def plan(schemes=SCHEMES, device: str = "cpu") -> list[tuple[str, str]]:
     """(scheme, impl) pairs measured at every context, baselines first.
 
         >>> plan(("affine4",))
         [('fp16', 'fp16'), ('affine4', 'mlx-lm'), ('affine4', 'full'), ('affine4', 'blockwise')]
+        >>> plan(("affine4",), "gpu")
+        [('fp16', 'fp16'), ('affine4', 'mlx-lm'), ('affine4', 'cuda')]
     """
     rows = [("fp16", "fp16"), ("affine4", "mlx-lm")]
     for name in schemes:
-        rows += [(name, "full"), (name, "blockwise")]
+        rows += [(name, "cuda")] if device == "gpu" else [(name, "full"), (name, "blockwise")]
     return rows
 
 
-def run_all(contexts: list[int], batch: int, repeats: int) -> dict:
+def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu") -> dict:
     import mlx.core as mx
     from kvserve.kernels import bench_cases as bc
-    from kvserve.kernels.dispatch import choose
 
-    results = {"machine": machine(), "copy_GB_s": bc.copy_bandwidth(), "runs": []}
+    calls = GPU_CALLS if device == "gpu" else 1
+    results = {"machine": machine(), "copy_GB_s": bc.copy_bandwidth(calls=calls), "runs": []}
+    schemes = GPU_SCHEMES if device == "gpu" else SCHEMES
     for T in contexts:
         shape = bc.Shape(batch, 32, 8, 128, T)
-        for scheme, impl in plan():
-            row = bc.measure(bc.build_case(scheme, impl, shape), repeats)
-            picked = "yes" if choose(None, None, 1, T) == impl else ""
+        for scheme, impl in plan(schemes, device):
+            case = bc.build_case(scheme, impl, shape)
+            row = bc.measure(case, repeats, calls=calls)
+            picked = "yes" if _picked(scheme, impl, T) else ""
             results["runs"].append({"T": T, **row, "dispatch": picked})
             mx.clear_cache()  # the next case's peak starts from what it allocates itself
     return results
 
 
+def _picked(scheme: str, impl: str, T: int) -> bool:
+    """Whether ``kvserve.kernels.dispatch.attend`` runs ``impl`` for this scheme at T."""
+    from kvserve.kernels.dispatch import choose
+    if impl in ("fp16", "mlx-lm"):
+        return False
+    if impl == "cuda":
+        return choose(*_formats(scheme), 1, T).startswith("cuda-")
+    return choose(None, None, 1, T) == impl
+
+
+def _formats(scheme: str):
+    from kvserve.cache.affine import QuantizedFormat
+    from kvserve.cache.scheme import parse_scheme
+    from kvserve.cache.turbo_codec import make_format
+    s = parse_scheme(scheme)
+    if s.values.kind == "turbo":
+        return make_format(s.keys, 128), make_format(s.values, 128)
+    return QuantizedFormat(s.keys), QuantizedFormat(s.values)
+
+
 def machine() -> dict:
     import mlx.core as mx
     from kvserve.kernels.dispatch import CPU_FULL_MAX_T
-    return {"cpu": platform.processor() or platform.machine(), "system": platform.system(),
+    info = {"cpu": platform.processor() or platform.machine(), "system": platform.system(),
             "python": platform.python_version(), "mlx": mx.__version__,
             "device": str(mx.default_device()), "cpu_full_max_T": CPU_FULL_MAX_T}
+    if mx.default_device().type == mx.gpu:
+        try:
+            info["gpu"] = mx.device_info().get("device_name", "")
+        except Exception:  # noqa: BLE001, S110 (the name is a label, not a requirement)
+            pass
+    return info
 
 
 def table(results: dict) -> str:
@@ -93,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no GPU backend in this MLX build", file=sys.stderr)
         return 2
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    contexts = [int(t) for t in args.contexts.split(",") if t]
-    results = run_all(contexts, args.batch, args.repeats)
+    default = GPU_CONTEXTS if args.device == "gpu" else "1024,2048,4096"
+    contexts = [int(t) for t in (args.contexts or default).split(",") if t]
+    results = run_all(contexts, args.batch, args.repeats, args.device)
     print(json.dumps(results, indent=1) if args.json else table(results))
     return 0
 

@@ -131,3 +131,18 @@ def attend(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
     if device == mx.cpu and keys[0].shape[2] <= CPU_FULL_MAX_T:
         return attend_full(*args, **kwargs)
     return attend_blockwise(*args, **kwargs)
+
+
+def _register_cuda_kernels() -> None:
+    """Offer the CUDA kernels where MLX runs on an NVIDIA GPU; families the GPU grid
+    verified are trusted there, the others must pass ``self_check`` first."""
+    from kvserve.kernels import cuda_attention
+
+    if not cuda_attention.cuda_ready():
+        return
+    for spec in cuda_attention.kernel_specs():
+        verified = (mx.gpu,) if spec["verified"] else ()
+        register_kernel(FusedKernel(spec["name"], mx.gpu, spec["supports"], spec["fn"], verified))
+
+
+_register_cuda_kernels()

@@ -11,6 +11,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from kvserve.configs import ConfigError, ModelConfig, ServerConfig, load_config
@@ -32,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--weight-format", help="'auto' (measure at start-up) or a format name")
     serve.add_argument("--kv-scheme", help="KV cache scheme: fp16 (default), affine8, affine4, "
                                            "mxfp4, mxfp8, nvfp4, turbo0v4, turbo8v3, ...")
+    serve.add_argument("--prompt-cache-ram-gb", type=float, help="prefix cache in RAM (default 1; 0: off)")
+    serve.add_argument("--prompt-cache-disk-gb", type=float,
+                       help="prefix cache files kept across restarts (default 8; 0: off)")
+    serve.add_argument("--prompt-cache-dir", help="where prefix cache files go (default: "
+                                                  "<cache dir>/prompt-cache/<model, tokenizer, scheme>)")
     serve.add_argument("--max-tokens", type=int, help="max_tokens when a request gives none")
     serve.add_argument("--max-queued-requests", type=int, help="waiting requests before 429")
     serve.add_argument("--max-batch-size", type=int, help="requests running together (default 8)")
@@ -41,12 +48,23 @@ def _parser() -> argparse.ArgumentParser:
                        help="KV tokens all requests may hold; beyond it requests are preempted "
                             "(swapped to disk) and resume later (default: no bound)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    serve.add_argument("--cors-origins", help="comma-separated origins browsers may call from "
+                                              "(default: none, CORS off)")
+    serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
+    serve.add_argument("--drain-timeout", type=float,
+                       help="seconds in-flight requests may run after SIGTERM before they are "
+                            "aborted (default 30)")
 
     sub.add_parser("eval-kv", add_help=False,
                    help="compare KV cache schemes against fp16 (kvserve eval-kv --help)")
     sub.add_parser("bench-attention", add_help=False,
                    help="time decode attention per KV format (kvserve bench-attention --help)")
 
+    sub.add_parser("bench", add_help=False,
+                   help="concurrent streams against servers, mlx_lm.server as the peer (kvserve bench --help)")
+    sub.add_parser("cache", add_help=False,
+                   help="show or clear a prompt cache directory (kvserve cache --help)")
     convert = sub.add_parser("convert", help="convert a llama GGUF into an mlx-lm model directory")
     convert.add_argument("src", help="a .gguf file (Q4_0, Q4_1, Q8_0, F16 or F32 tensors)")
     convert.add_argument("dst", nargs="?", help="output directory (default: the model cache)")
@@ -62,7 +80,15 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "http.host": args.host,
         "http.port": args.port,
         "http.log_level": args.log_level,
+        "http.api_key": args.api_key,
+        "http.cors_origins": None if args.cors_origins is None
+        else tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        "http.max_body_bytes": args.max_body_bytes,
+        "http.drain_timeout_s": args.drain_timeout,
         "cache.kv_scheme": args.kv_scheme,
+        "cache.prompt_cache_ram_gb": args.prompt_cache_ram_gb,
+        "cache.prompt_cache_disk_gb": args.prompt_cache_disk_gb,
+        "cache.prompt_cache_dir": args.prompt_cache_dir,
         "engine.max_tokens": args.max_tokens,
         "engine.max_queued_requests": args.max_queued_requests,
         "engine.max_batch_size": args.max_batch_size,
@@ -92,19 +118,66 @@ def serve(config: ServerConfig) -> int:
         scheme = parse_scheme(config.cache.kv_scheme)
     except UnknownScheme as exc:
         raise ConfigError(str(exc)) from None
-    engine = Engine(make_loader(config.model, scheme, blas.describe(), _progress), config.engine)
+    engine = Engine(make_loader(config.model, scheme, blas.describe(), _progress, config.cache),
+                    config.engine)
     loaded = engine.start()
     _progress(f"serving {loaded.info.describe()}")
     _progress(f"listening on http://{config.http.host}:{config.http.port}")
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler that was
-    # installed before it started: make that a no-op so the engine stops cleanly, exit 0.
+    # uvicorn re-raises the signals it caught under the handler installed before it started:
+    # make that a no-op so the engine stops cleanly and the process exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    from kvserve.server.http.guard import Gate
+
+    gate = Gate()
+    uv_config = uvicorn.Config(create_app(engine, config.http, gate), host=config.http.host,
+                               port=config.http.port, log_level=config.http.log_level,
+                               h11_max_incomplete_event_size=config.http.max_header_bytes)
     try:
-        uvicorn.run(create_app(engine), host=config.http.host, port=config.http.port,
-                    log_level=config.http.log_level)
+        _draining_server(uvicorn.Server)(uv_config, engine, gate, config.http.drain_timeout_s).run()
     finally:
-        engine.stop(timeout=30)
+        engine.stop(timeout=30)  # finishes what is left and flushes the engine's writers
     return 0
+
+
+def _draining_server(base: type) -> type:
+    """uvicorn's ``Server`` whose first SIGTERM drains before it stops listening.
+
+    Draining: ``gate`` answers 503 to new completions (and ``/health``) while the socket stays
+    open, requests in flight run to their end, and after ``timeout`` seconds those left are
+    aborted (they still end with a finish reason). Then uvicorn shuts down as usual. A second
+    SIGTERM, or SIGINT, skips what is left of the drain.
+    """
+
+    class DrainingServer(base):
+        def __init__(self, config, engine, gate, timeout: float) -> None:
+            super().__init__(config)
+            self._engine, self._gate, self._timeout = engine, gate, timeout
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM and self._gate.start_drain():
+                _progress(f"SIGTERM: draining {self._engine.inflight} request(s), "
+                          f"at most {self._timeout:g} s")
+                threading.Thread(target=self._drain, name="kvserve-drain", daemon=True).start()
+                return
+            super().handle_exit(sig, frame)
+
+        def _drain(self) -> None:
+            if not _wait_idle(self._engine, self._timeout):
+                _progress(f"drain timed out: aborting {self._gate.abort_all()} request(s)")
+                _wait_idle(self._engine, 10.0)
+            self.should_exit = True  # uvicorn's main loop checks this every 0.1 s
+
+    return DrainingServer
+
+
+def _wait_idle(engine, timeout: float) -> bool:
+    """Poll until nothing is in flight; False when ``timeout`` passed first."""
+    deadline = time.monotonic() + timeout
+    while engine.inflight > 0:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def convert(src: str, dst: str | None, cache_dir: str | None) -> int:
@@ -134,11 +207,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["eval-kv"], ["bench-attention"], ["bench"]):  # own their arguments and BLAS set-up
         return _tool(argv[0], argv[1:])
+    if argv[:1] == ["cache"]:  # imports the cache package (and mlx): kept out of serve's way
+        return _cache(argv)
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         _exit_now(_run(lambda: serve(_serve_config(args))))
     return _run(lambda: convert(args.src, args.dst, args.cache_dir))
+
+
+def _cache(argv: list[str]) -> int:
+    from kvserve.cache.prefix.cli import add_cache_parser, cache_command
+
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_cache_parser(parser.add_subparsers(dest="command", required=True))
+    return cache_command(parser.parse_args(argv))
 
 
 def _tool(name: str, argv: list[str]) -> int:

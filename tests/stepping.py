@@ -49,5 +49,5 @@ def drive(runner: ModelRunner, requests: list[Request], arrivals: list[int] | No
             request = scheduler.find(request_id)
             if request.num_generated >= request.params.max_tokens:
                 scheduler.finish(request, FinishReason.LENGTH)
-                runner.release(request_id)
+                runner.release(request_id, keep=True)  # as the engine does at a finish
     return trace

@@ -291,3 +291,40 @@ def test_metrics_in_prometheus_text_format(server, client, model_id):
     assert after["kvserve_requests_running"] == after["kvserve_requests_waiting"] == 0
     response = httpx.get(f"{server.base_url}/metrics")
     assert response.headers["content-type"].startswith("text/plain")
+
+
+# --- the prefix cache over HTTP ---
+
+def test_prompt_cache_hits_show_in_usage_and_metrics(server, client, model_id):
+    messages = [{"role": "user", "content": "A question that is asked twice, word for word."}]
+    before = metric_values(server)
+    first = client.chat.completions.create(model=model_id, messages=messages, temperature=0, max_tokens=6)
+    second = client.chat.completions.create(model=model_id, messages=messages, temperature=0, max_tokens=6)
+    # Earlier requests share the chat template's opening (its default system prompt) only.
+    assert 0 < first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - 5
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.choices[0].message.content == first.choices[0].message.content
+    after = metric_values(server)
+    hits = 'kvserve_prefix_cache_hits_total{kv_scheme="fp16"}'
+    assert after[hits] - before[hits] == 2  # the partial hit and the whole one
+    turn2 = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And a follow-up."}]
+    third = client.chat.completions.create(model=model_id, messages=turn2, temperature=0, max_tokens=4)
+    # The history is cached up to where the template re-renders the reply as generated.
+    assert third.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_a_restarted_server_reuses_prompt_cache_files(tiny_model_dir, tmp_path):
+    body = {"model": "default", "messages": [{"role": "user", "content": "Remember this prompt."}],
+            "temperature": 0, "max_tokens": 8}
+    answers = []
+    for _ in range(2):
+        proc = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path)).wait_ready()
+        try:
+            answers.append(httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=60).json())
+        finally:
+            assert proc.stop() == 0, proc.output()  # a clean stop flushes the writer
+    cold, warm = answers
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == warm["usage"]["prompt_tokens"] - 1
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]

@@ -120,6 +120,8 @@ class Engine:
             self._ready.set()
             return
         self.metrics.kv_scheme = self.model.info.kv_scheme
+        if self.model.runner.prefix is not None:  # files found at start-up show before any step
+            self.metrics.prefix = self.model.runner.prefix.stats()
         self._ready.set()
         try:
             self._run()
@@ -132,6 +134,9 @@ class Engine:
             stopping |= self._drain_inbox(block=not self.scheduler.has_work and not stopping)
             plan = self.scheduler.schedule()
             if plan.empty:
+                if self.scheduler.running:  # requests no step can advance: never spin on them
+                    log.error("engine: no step can advance %d running request(s)", len(self.scheduler.running))
+                    self._fail_running("engine error: the request could not be scheduled")
                 self._observe_idle()
                 continue
             started = self._busy_since = time.monotonic()
@@ -210,12 +215,13 @@ class Engine:
                 logprobs: tuple = ()) -> None:
         live = self._live.pop(request.request_id)
         self.scheduler.finish(request, reason)
-        self.model.runner.release(request.request_id)
+        # A finished prompt + reply is the start of a chat's next turn: offer it for reuse.
+        self.model.runner.release(request.request_id, keep=reason in (FinishReason.STOP, FinishReason.LENGTH))
         with self._lock:
             self._inflight -= 1
         self.metrics.finished[reason.value] += 1
         self.metrics.e2e.observe(time.monotonic() - request.arrival_time)
-        usage = Usage(request.num_prompt_tokens, request.num_generated)
+        usage = Usage(request.num_prompt_tokens, request.num_generated, request.num_prefix_cached)
         live.sink(TokenEvent(request.request_id, text, finish_reason=reason, usage=usage,
                              error=error, logprobs=logprobs))
         for fork in request.forks:  # choices that never started die with their leader
@@ -234,6 +240,8 @@ class Engine:
         m.preemptions += len(plan.swap_out)
         m.waiting, m.running = len(self.scheduler.waiting), len(self.scheduler.running)
         m.kv_bytes, m.swapped = runner.kv_bytes, runner.swapped_requests
+        if runner.prefix is not None:
+            m.prefix = runner.prefix.stats()
 
     def _observe_idle(self) -> None:
         if self.metrics.running or self.metrics.kv_bytes:

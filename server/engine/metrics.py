@@ -92,6 +92,7 @@ class EngineMetrics:
         self.running = 0
         self.kv_bytes = 0
         self.swapped = 0
+        self.prefix: dict | None = None  # PrefixCache.stats() after the latest step
         self.ttft = Histogram("kvserve_time_to_first_token_seconds",
                               "Time from arrival to the first generated token.")
         self.itl = Histogram("kvserve_inter_token_latency_seconds",
@@ -122,4 +123,28 @@ class EngineMetrics:
             lines.append(f'kvserve_requests_finished_total{{reason="{reason}"}} {self.finished[reason]}')
         for hist in (self.ttft, self.itl, self.e2e, self.step):
             lines += hist.render(scheme)
+        if self.prefix is not None:
+            lines += self._prefix_lines(scheme, metric)
         return "\n".join(lines) + "\n"
+
+    def _prefix_lines(self, scheme: dict[str, str], metric) -> list[str]:
+        p, lines = self.prefix, []
+        metric("kvserve_prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix.", p["hits"], scheme)
+        metric("kvserve_prefix_cache_misses_total", "counter", "Prompts with no cached prefix.", p["misses"], scheme)
+        metric("kvserve_prefix_cache_hit_tokens_total", "counter", "Prompt tokens reused.", p["hit_tokens"], scheme)
+        metric("kvserve_prefix_cache_disk_hits_total", "counter", "Hits read from the SSD tier.",
+               p["disk_hits"], scheme)
+        for tier in ("ram", "disk"):
+            metric(f"kvserve_prefix_cache_{tier}_bytes", "gauge", f"Bytes held by the {tier} tier.",
+                   p[f"{tier}_bytes"], scheme)
+            metric(f"kvserve_prefix_cache_{tier}_entries", "gauge", f"Entries in the {tier} tier.",
+                   p[f"{tier}_entries"], scheme)
+        metric("kvserve_prefix_cache_dropped_writes_total", "counter",
+               "Spills dropped because the writer queue was full.", p["dropped_spills"], scheme)
+        metric("kvserve_prefix_cache_write_errors_total", "counter", "Failed disk writes.",
+               p["write_errors"], scheme)
+        lines += ["# HELP kvserve_prefix_cache_refused_files_total Cache files refused, by reason.",
+                  "# TYPE kvserve_prefix_cache_refused_files_total counter"]
+        for reason, n in sorted(p["refused"].items()):
+            lines.append(f'kvserve_prefix_cache_refused_files_total{{reason="{reason}"}} {n}')
+        return lines

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvserve.cache.scheme import KVScheme
-from kvserve.configs import ModelConfig
+from kvserve.configs import CacheConfig, ModelConfig
 from kvserve.server.engine.loop import LoadedModel
 from kvserve.server.engine.model_source import ModelLoadError, resolve_model
 
@@ -37,22 +37,24 @@ class ModelInfo:
 
 
 def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
-                progress: Callable[[str], None] | None = None):
-    """Returns a zero-argument loader for ``Engine``; ``blas`` describes the active BLAS."""
+                progress: Callable[[str], None] | None = None, cache: CacheConfig | None = None):
+    """Returns a zero-argument loader for ``Engine``; ``blas`` describes the active BLAS;
+    ``cache`` sizes the prefix cache (None: no prefix cache)."""
 
     def load() -> LoadedModel:
-        return load_model(config, scheme, blas, progress)
+        return load_model(config, scheme, blas, progress, cache)
 
     return load
 
 
 def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
-               progress: Callable[[str], None] | None = None) -> LoadedModel:
+               progress: Callable[[str], None] | None = None,
+               cache: CacheConfig | None = None) -> LoadedModel:
     import mlx_lm
 
     from kvserve.server.engine.fastpath import install_table_rope
     from kvserve.server.engine.runner import ModelRunner
-    from kvserve.server.engine.weights import apply_weight_format, choose_weight_format
+    from kvserve.server.engine.weights import apply_weight_format, remembered_weight_format
 
     source = resolve_model(config.model, config.resolved_cache_dir(), progress)
     try:
@@ -60,7 +62,7 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     except Exception as exc:  # mlx-lm raises many types; the user needs one line
         raise ModelLoadError(f"cannot load model {source}: {type(exc).__name__}: {exc}") from None
     _check_scheme_fits(model, scheme)
-    choice = choose_weight_format(model, config.weight_format)
+    choice = remembered_weight_format(model, config.weight_format, _weight_memo(config, source, blas))
     apply_weight_format(model, choice)
     install_table_rope(model)
     info = ModelInfo(
@@ -75,7 +77,43 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     log.info("model ready: %s", info.describe())
     swap_dir = config.resolved_cache_dir() / "swap"  # on disk: /tmp may be RAM-backed
     swap_dir.mkdir(parents=True, exist_ok=True)
-    return LoadedModel(runner=ModelRunner(model, scheme, swap_dir), tokenizer=tokenizer, info=info)
+    prefix = None
+    if cache is not None and cache.prefix_enabled:
+        prefix = open_prefix_cache(cache, config, source, f"{choice.name}@{choice.device}", tokenizer, scheme)
+    runner = ModelRunner(model, scheme, swap_dir, prefix)
+    return LoadedModel(runner=runner, tokenizer=tokenizer, info=info)
+
+
+def _weight_memo(config: ModelConfig, source, blas: str) -> Path:
+    """Where the measured weight format of this model under this BLAS is kept."""
+    import hashlib
+
+    from kvserve.cache.prefix import model_fingerprint
+
+    key = hashlib.sha256(f"{model_fingerprint(source)}|{blas}".encode()).hexdigest()[:16]
+    return config.resolved_cache_dir() / "weight-format" / f"{key}.json"
+
+
+def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, weights: str, tokenizer,
+                      scheme: KVScheme):
+    """The prefix cache of this model, tokenizer and scheme. Its files go to one directory
+    per namespace (the weight format is part of the model: it changes every K/V value)."""
+    from kvserve.cache.prefix import Namespace, PrefixCache, model_fingerprint, tokenizer_hash
+
+    ns = Namespace(model=model_fingerprint(source, extra=weights), tokenizer=tokenizer_hash(tokenizer),
+                   scheme=scheme)
+    disk_dir = None
+    if cache.prompt_cache_disk_gb > 0:
+        root = Path(cache.prompt_cache_dir).expanduser() if cache.prompt_cache_dir \
+            else config.resolved_cache_dir() / "prompt-cache" / ns.key
+        disk_dir = root
+    prefix = PrefixCache(ns, ram_bytes=int(cache.prompt_cache_ram_gb * 2**30), disk_dir=disk_dir,
+                         disk_bytes=int(cache.prompt_cache_disk_gb * 2**30))
+    stats = prefix.stats()
+    log.info("prefix cache: %.1f GiB RAM, %s; %d entries found on disk",
+             cache.prompt_cache_ram_gb, f"{cache.prompt_cache_disk_gb:.1f} GiB in {disk_dir}"
+             if disk_dir else "no SSD tier", stats["disk_entries"])
+    return prefix
 
 
 def _check_scheme_fits(model, scheme: KVScheme) -> None:

@@ -98,6 +98,7 @@ class Request:
     forks: list[Request] = field(default_factory=list)
     fork_of: str | None = None
     swapped: bool = False  # preempted: its cache is on disk, its sampler kept
+    num_prefix_cached: int = 0  # prompt tokens that came from the prefix cache
 
     @property
     def num_cached(self) -> int:
@@ -121,6 +122,7 @@ class Request:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those reused from the prefix cache
 
     @property
     def total_tokens(self) -> int:

@@ -16,10 +16,16 @@ decodes alone or inside any batch to the same tokens, up to float rounding.
 The choices of an ``n > 1`` request (its forks) get copies of their leader's cache when its
 prompt completes, and their first tokens are sampled from the same logits. A preempted
 request's cache is written to a swap file and read back bit-identical when it resumes.
+
+With a prefix cache, a request's first chunk starts from the longest cached prefix of its
+prompt (the step reports those tokens as prefilled too); every completed prompt, and every
+finished request's prompt plus reply, is offered back to it, so the next turn of a chat
+finds its whole history cached.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,6 +38,8 @@ from kvserve.server.engine.request import Request
 from kvserve.server.engine.sampler import Pick, RequestSampler, sample_rows
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
 
+
+log = logging.getLogger(__name__)
 
 # Prompts prefill into raw (fp16) layers, converted to the scheme when the prompt completes:
 # the prompt attends to itself exactly and at full speed (one fused attention instead of
@@ -71,9 +79,12 @@ def group_whole_prompts(chunks: tuple[PrefillChunk, ...]) -> tuple[list[PrefillC
 class ModelRunner:
     """Holds the model, the caches and samplers of live requests; runs on the engine thread."""
 
-    def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None):
+    def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None, prefix=None):
         self.model = model
         self.scheme = scheme
+        self.prefix = prefix  # kvserve.cache.prefix.PrefixCache or None
+        self._hits: dict[str, int] = {}  # prefix tokens found, not yet reported to the scheduler
+        self._tokens: dict[str, list[int]] = {}  # prompt + sampled tokens of each live request
         self._samplers: dict[str, RequestSampler] = {}
         self._single: dict[str, PromptCache] = {}  # B = 1 caches: prompts in progress, parked rows
         self._batch: PromptCache | None = None  # decoding requests, one row each
@@ -90,21 +101,33 @@ class ModelRunner:
         for request in plan.swap_in:
             self._swap_in(request.request_id)
         picks = self._decode(plan.decode) if plan.decode else {}
+        cached = self._attach_prefixes(plan.prefill)
         prefilled = {c.request.request_id: c.num_tokens for c in plan.prefill}
-        together, alone = group_whole_prompts(plan.prefill)
+        started = tuple(c for c in plan.prefill if c.request.request_id in self._hits)
+        together, alone = group_whole_prompts(tuple(c for c in plan.prefill if c not in started))
+        alone = [*started, *alone]  # a cached prefix continues in its own B = 1 cache
         joining: list[str] = []
         for chunk in alone:
-            done = self._prefill(chunk)
+            done, computed = self._prefill(chunk)
+            prefilled[chunk.request.request_id] = computed
             picks.update(done)
             joining.extend(done)
         self._join(joining)  # after the decode: they decode from the next step on
         if together:
             picks.update(self._prefill_together(together))
+        for request_id, pick in picks.items():
+            self._tokens[request_id].append(pick.token)
         return StepResult(prefilled=prefilled, sampled={r: p.token for r, p in picks.items()},
-                          logprobs={r: p.logprob for r, p in picks.items() if p.logprob is not None})
+                          logprobs={r: p.logprob for r, p in picks.items() if p.logprob is not None},
+                          cached=cached)
 
-    def release(self, request_id: str) -> None:
-        """Free a request's cache (its batch row leaves); called when it finishes or is aborted."""
+    def release(self, request_id: str, keep: bool = False) -> None:
+        """Free a request's cache (its batch row leaves); called when it finishes or is aborted.
+        ``keep`` first offers the cache of its prompt and reply to the prefix cache."""
+        tokens = self._tokens.pop(request_id, None)
+        if keep and self.prefix is not None and tokens is not None:
+            self._offer(request_id, tokens[:-1])  # the last sampled token was never fed
+        self._hits.pop(request_id, None)
         self._samplers.pop(request_id, None)
         self._single.pop(request_id, None)
         self._last.pop(request_id, None)
@@ -121,7 +144,10 @@ class ModelRunner:
             mx.clear_cache()
 
     def close(self) -> None:
-        """Remove the swap directory (the engine calls this when it stops)."""
+        """Finish the prefix cache's queued writes and remove the swap directory (the
+        engine calls this when it stops)."""
+        if self.prefix is not None:
+            self.prefix.close()
         if self._swap_dir is not None:
             shutil.rmtree(self._swap_dir, ignore_errors=True)
             self._swap_dir, self._swapped = None, {}
@@ -145,21 +171,54 @@ class ModelRunner:
     def swapped_requests(self) -> int:
         return len(self._swapped)
 
+    # ---- prefix cache ----------------------------------------------------------------
+    def _attach_prefixes(self, chunks: tuple[PrefillChunk, ...]) -> dict[str, int]:
+        """Start each new request from its longest cached prefix; returns the tokens found."""
+        found: dict[str, int] = {}
+        for chunk in chunks:
+            request = chunk.request
+            if request.num_computed or request.request_id in self._samplers:
+                continue
+            self._samplers[request.request_id] = RequestSampler(request.params)
+            self._tokens[request.request_id] = list(request.prompt_tokens)
+            hit = self.prefix.lookup(request.prompt_tokens) if self.prefix is not None else None
+            if hit is not None:
+                self._single[request.request_id] = hit.cache
+                self._hits[request.request_id] = found[request.request_id] = hit.num_tokens
+        return found
+
+    def _offer(self, request_id: str, tokens: list[int], cache: PromptCache | None = None) -> None:
+        """Hand a snapshot of a request's cache holding exactly ``tokens`` to the prefix cache."""
+        if cache is None:
+            if request_id in self._rows:
+                cache = self._batch.extract(self._rows.index(request_id))
+            else:
+                cache = self._single.get(request_id)
+        if cache is None or cache.offset != len(tokens):
+            return
+        try:
+            self.prefix.insert(tokens, cache)
+        except ValueError as exc:  # a cache the store cannot take is skipped, never fatal
+            log.warning("prefix cache refused an entry: %s", exc)
+
     # ---- prefill: one request at a time, on its own B = 1 cache ------------------------
-    def _prefill(self, chunk: PrefillChunk) -> dict[str, Pick]:
-        """Feed a prompt chunk; the chunk that completes the prompt samples the first token
-        of the request and of each of its forks, which get copies of the cache."""
+    def _prefill(self, chunk: PrefillChunk) -> tuple[dict[str, Pick], int]:
+        """Feed a prompt chunk (after any cached prefix); the chunk that completes the prompt
+        samples the first token of the request and of each of its forks, which get copies of
+        the cache. Returns the picks and the prompt tokens now in the cache beyond before."""
         request = chunk.request
         cache = self._single_cache(request)
-        start = request.num_computed
-        tokens = mx.array(request.prompt_tokens[start : start + chunk.num_tokens])[None]  # (1, L)
-        if not chunk.completes_prompt:
+        hit = self._hits.pop(request.request_id, 0)
+        start = request.num_computed + hit
+        n = min(chunk.num_tokens, request.num_prompt_tokens - start)
+        tokens = mx.array(request.prompt_tokens[start : start + n])[None]  # (1, L)
+        if start + n < request.num_prompt_tokens:
             self.model(tokens, cache=cache)
             cache.maybe_convert()
             mx.eval(cache.state)
-            return {}
+            return {}, hit + n
         logits = last_logits(self.model, tokens, cache)  # (1, V)
-        cache.convert()
+        self._complete(request.request_id, request.prompt_tokens, cache)
         forks = [f for f in request.forks if not f.finished]  # an aborted choice stays out
         group = [request, *forks]
         for fork in forks:  # one object: the join's merge copies it into each row
@@ -169,7 +228,16 @@ class ModelRunner:
         picks = sample_rows([self._samplers[r] for r in ids],
                             mx.broadcast_to(logits, (len(ids), logits.shape[-1])))
         self._last.update((r, p.token) for r, p in zip(ids, picks))
-        return dict(zip(ids, picks))
+        for fork in forks:
+            self._tokens[fork.request_id] = list(request.prompt_tokens)
+        return dict(zip(ids, picks)), hit + n
+
+    def _complete(self, request_id: str, prompt: list[int], cache: PromptCache) -> None:
+        """The prompt is in: convert the raw prefill to the scheme, offer it for reuse."""
+        cache.convert()
+        cache.quantize_after = 0  # every token is in the scheme now, as if it started there
+        if self.prefix is not None:
+            self._offer(request_id, prompt, cache)
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> dict[str, Pick]:
         """Whole prompts in one left-padded forward (a larger matmul per weight read than
@@ -181,13 +249,15 @@ class ModelRunner:
         requests = [c.request for c in chunks]
         width = max(r.num_prompt_tokens for r in requests)
         padding = [width - r.num_prompt_tokens for r in requests]
-        for r in requests:
-            self._samplers[r.request_id] = RequestSampler(r.params)
         cache = PromptCache.merge([self._new_cache() for _ in requests])
         cache.prepare(left_padding=padding)
         tokens = mx.array([[0] * pad + r.prompt_tokens for r, pad in zip(requests, padding)])  # (B, L)
         logits = last_logits(self.model, tokens, cache)  # (B, V)
         cache.convert()
+        cache.quantize_after = 0
+        if self.prefix is not None:
+            for i, r in enumerate(requests):
+                self._offer(r.request_id, r.prompt_tokens, cache.extract(i))
         ids = [r.request_id for r in requests]
         picks = sample_rows([self._samplers[r] for r in ids], logits)
         self._last.update((r, p.token) for r, p in zip(ids, picks))
@@ -199,11 +269,9 @@ class ModelRunner:
         return dict(zip(ids, picks))
 
     def _single_cache(self, request: Request) -> PromptCache:
-        request_id = request.request_id
-        if request_id not in self._samplers:
-            self._samplers[request_id] = RequestSampler(request.params)
-            self._single[request_id] = self._new_cache()
-        return self._single[request_id]
+        if request.request_id not in self._single:
+            self._single[request.request_id] = self._new_cache()
+        return self._single[request.request_id]
 
     def _new_cache(self) -> PromptCache:
         return PromptCache.for_model(self.model, self.scheme, quantize_after=RAW_PREFILL_TOKENS)

@@ -92,6 +92,7 @@ class StepResult:
     prefilled: dict[str, int] = field(default_factory=dict)
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # rows that asked
+    cached: dict[str, int] = field(default_factory=dict)  # prompt tokens a prefix cache gave (in prefilled too)
 
 
 class Scheduler:
@@ -145,6 +146,8 @@ class Scheduler:
         """Advance counters and states after the runner executed a plan."""
         for request in self.running:
             done = result.prefilled.get(request.request_id, 0)
+            if request.request_id in result.cached:
+                request.num_prefix_cached = result.cached[request.request_id]
             if done:
                 request.num_computed += done
                 request.status = RequestStatus.PREFILL

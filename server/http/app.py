@@ -9,27 +9,33 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from kvserve.configs import EngineConfig
+from kvserve.configs import EngineConfig, HTTPConfig
 from kvserve.server.engine.loop import Engine
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.scheduler import QueueFull
-from kvserve.server.http.errors import APIError, error_response, install_error_handlers
+from kvserve.server.http.errors import APIError, document_errors, error_response, install_error_handlers
+from kvserve.server.http.guard import Gate, GuardMiddleware
 from kvserve.server.http.logprobs import LogprobFormat
 from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvserve.server.http.streams import ClientGone, EventStream, Shape, collect, sse_events
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """``engine`` must already be started (its model loaded)."""
+def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None = None) -> FastAPI:
+    """``engine`` must already be started (its model loaded); ``gate`` closes admission
+    when the server drains (``app.state.gate``)."""
     model = engine.model
+    http = http or HTTPConfig()
     app = FastAPI(title="kvserve", version="0.1.0")
+    app.state.gate = gate = gate or Gate()
     install_error_handlers(app)
+    document_errors(app)
+    install_guards(app, http, gate)
     created = int(time.time())
     logprobs = LogprobFormat(model.tokenizer)
 
@@ -42,6 +48,8 @@ def create_app(engine: Engine) -> FastAPI:
         ok, reason = engine.health()
         if not ok:
             return error_response(503, reason)
+        if gate.draining:
+            return error_response(503, "the server is shutting down", code="server_draining")
         return {"status": "ok", "inflight": engine.inflight}
 
     @app.get("/v1/models")
@@ -72,9 +80,22 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
+def install_guards(app: FastAPI, http: HTTPConfig, gate: Gate) -> None:
+    """Guards run before routing; CORS wraps them so even a 401 carries its headers."""
+    app.add_middleware(GuardMiddleware, gate=gate, max_body_bytes=http.max_body_bytes,
+                       max_header_bytes=http.max_header_bytes, api_key=http.api_key)
+    if http.cors_origins:  # off unless configured: browsers then refuse cross-origin calls
+        from kvserve.server.http.guard import OpenAICORSMiddleware
+
+        app.add_middleware(OpenAICORSMiddleware, allow_origins=list(http.cors_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+
 def _check_model(requested: str, served: str) -> None:
     if requested not in (served, "default"):
-        raise APIError(404, f"model '{requested}' is not served here; this server serves '{served}'",
+        shown = requested if len(requested) <= 64 else requested[:64] + "..."  # never echo a megabyte
+        raise APIError(404, f"model {shown!r} is not served here; this server serves '{served}'",
                        param="model", code="model_not_found")
 
 
@@ -90,7 +111,10 @@ def _prompt_tokens(tokenizer: Any, prompt: str | list[int], vocab: int) -> list[
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        return list(tokenizer.encode(prompt))
+        tokens = list(tokenizer.encode(prompt))
+        if not tokens:  # e.g. only control characters the vocabulary drops: nothing to condition on
+            raise APIError(400, "prompt encodes to no tokens", param="prompt")
+        return tokens
     if any(t >= vocab for t in prompt):
         raise APIError(400, f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
     return list(prompt)
@@ -102,7 +126,8 @@ def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits:
     room = context - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context}",
-                       param="messages", code="context_length_exceeded")
+                       param="messages" if hasattr(body, "messages") else "prompt",
+                       code="context_length_exceeded")
     requested = body.requested_max_tokens()
     if requested is not None and requested > limits.max_tokens_limit:
         raise APIError(400, f"max_tokens must be at most {limits.max_tokens_limit}", param="max_tokens")
@@ -121,7 +146,13 @@ def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits:
                           temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           min_p=body.min_p, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=bias,
-                          seed=body.seed, stop=body.stop_list(), logprobs=logprobs, top_logprobs=top)
+                          seed=None if body.seed is None else body.seed % SEED_SPAN,
+                          stop=body.stop_list(), logprobs=logprobs, top_logprobs=top)
+
+
+# OpenAI seeds are signed 64-bit; MLX's PRNG takes unsigned 64-bit, so seeds wrap into it
+# (-1 -> 2**64 - 1), as do the seeds of choices 2..n past the top.
+SEED_SPAN = 2**64
 
 
 def make_request(tokens: list[int], params: SamplingParams, n: int) -> Request:
@@ -133,7 +164,7 @@ def make_request(tokens: list[int], params: SamplingParams, n: int) -> Request:
     """
     leader = Request(prompt_tokens=tokens, params=params)
     for i in range(1, n):
-        seed = None if params.seed is None else params.seed + i
+        seed = None if params.seed is None else (params.seed + i) % SEED_SPAN
         fork_params = dataclasses.replace(params, seed=seed)
         leader.forks.append(Request(prompt_tokens=tokens, params=fork_params, fork_of=leader.request_id))
     return leader
@@ -156,8 +187,11 @@ async def _generate(engine: Engine, body: SamplingFields, tokens: list[int], sha
         for member in members:
             engine.abort(member.request_id)
 
+    gate: Gate = http_request.app.state.gate
+    handle = gate.track(abort)  # a drain that runs out of time aborts what is left
     if body.stream:
-        events = sse_events(shape, stream, body.include_usage, abort, prefix)
+        events = _untracked_after(sse_events(shape, stream, body.include_usage, abort, prefix),
+                                  gate, handle)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
@@ -167,5 +201,14 @@ async def _generate(engine: Engine, body: SamplingFields, tokens: list[int], sha
     except RuntimeError as exc:  # the engine failed on this request
         return error_response(500, str(exc))
     finally:
+        gate.untrack(handle)
         if not stream.finished:  # disconnected or cancelled: free the engine's work
             abort()
+
+
+async def _untracked_after(events: AsyncIterator[str], gate: Gate, handle: int) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        gate.untrack(handle)

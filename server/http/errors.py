@@ -1,7 +1,8 @@
 """The OpenAI error contract: every client error is ``{"error": {message, type, param, code}}``.
 
-Validation failures answer 400 (never FastAPI's default 422), unknown routes 404, and a
-full queue 429 with ``Retry-After``.
+Validation failures answer 400 (never FastAPI's default 422), unknown routes 404, a
+full queue 429 with ``Retry-After``. A bug answers 500 in the same shape, without the
+exception's text (which may hold addresses or request data).
 
 Example:
     >>> error_body("bad value", param="temperature")["error"]["type"]
@@ -21,6 +22,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
@@ -54,12 +56,32 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None
+    param = _param(first)
+    # A union field (prompt: str | list[int]) fails once per branch: name them all.
+    msgs = [str(e.get("msg", "invalid value")) for e in errors if _param(e) == param]
     where = f" ({param})" if param else ""
-    return f"{first.get('msg', 'invalid value')}{where}", param
+    return f"{_clip('; or '.join(dict.fromkeys(msgs[:3])))}{where}", param
+
+
+# pydantic names the branch of a union in the error path (prompt.str, prompt.list[int]).
+_BRANCHES = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _param(error: dict) -> str | None:
+    """The dotted field path of a pydantic error, without ``body`` and union branch names.
+
+    >>> _param({"loc": ("body", "messages", 0, "content", "str")})
+    'messages.0.content'
+    """
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    loc = [p for p in loc if p not in _BRANCHES and "[" not in p]
+    return _clip(".".join(loc)) or None  # a path may hold a client's dict key
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -79,3 +101,54 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = "unknown route"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception):  # logged by the server; the client gets the shape
+        return error_response(500, "internal server error")
+
+
+_ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+_POST_ERRORS = {"400": "invalid request", "401": "missing or invalid API key", "404": "unknown model",
+                "413": "body too large", "429": "queue full (Retry-After)", "431": "headers too large",
+                "503": "shutting down"}
+_GET_ERRORS = {"401": "missing or invalid API key", "431": "headers too large", "503": "unhealthy or shutting down"}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Make ``/openapi.json`` say what the server answers: the OpenAI error object with 400
+    (FastAPI documents its 422, which is never sent) and the other statuses of the guards.
+
+    >>> from fastapi import FastAPI
+    >>> app = FastAPI()
+    >>> _ = app.post("/x")(lambda body: None)  # noqa
+    >>> document_errors(app)
+    >>> sorted(app.openapi()["paths"]["/x"]["post"]["responses"])
+    ['200', '400', '401', '404', '413', '429', '431', '503']
+    """
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        components["ErrorResponse"] = _ERROR_SCHEMA
+        ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path in schema.get("paths", {}).values():
+            for method, operation in path.items():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                errors = _POST_ERRORS if method == "post" else _GET_ERRORS
+                responses.update({status: {"description": text, "content": ref} for status, text in errors.items()})
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

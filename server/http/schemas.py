@@ -1,7 +1,7 @@
 """OpenAI request and response bodies (the subset kvserve serves), validated by pydantic.
 
 Fields that multiply work are capped here, before anything is tokenized. Unknown fields
-are ignored, as OpenAI clients send many optional ones.
+are ignored, as OpenAI clients send many optional ones; known ones are typed strictly.
 
 Example:
     >>> r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stop="x")
@@ -33,7 +33,9 @@ Stop = Union[str, list[str], None]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a string, bool or float is never coerced into an int field ("5", true, 2.0 are
+    # 400s, as in OpenAI's API); ints are still accepted for float fields.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):

@@ -91,7 +91,8 @@ def usage_json(usage: Usage | None) -> dict | None:
     if usage is None:
         return None
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 def finish_reason_json(reason: FinishReason | None) -> str | None:
@@ -121,7 +122,7 @@ def total_usage(usages: list[Usage | None]) -> Usage | None:
     known = [u for u in usages if u is not None]
     if not known:
         return None
-    return Usage(known[0].prompt_tokens, sum(u.completion_tokens for u in known))
+    return Usage(known[0].prompt_tokens, sum(u.completion_tokens for u in known), known[0].cached_tokens)
 
 
 async def collect(shape: Shape, stream: EventStream, http_request: HTTPRequest, prefix: str = "") -> dict:

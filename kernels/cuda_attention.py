@@ -1,0 +1,428 @@
+"""Fused attention over stored K/V on NVIDIA GPUs (``mx.fast.cuda_kernel``), L <= 16.
+
+``attend_cuda`` has the signature of ``kvserve.kernels.dispatch.attend`` and serves affine
+4/8-bit keys and values (groups 32/64/128), mxfp4, and the TurboQuant schemes (raw,
+affine-8 or turbo keys; turbo values) at head_dim 64, 128 or 256. Anything else (other
+formats, L > 16, other head dims) goes to the blockwise reference.
+
+One call = two kernels (``kvserve.kernels.cuda_source`` has the device code):
+
+    split pass   (row tiles, S splits, B * H_kv) blocks, each over ~T / S tokens, writes
+                 o_part (S, B*H_kv, R*L, D) f32 and ml_part (S, B*H_kv, R*L, 2) f32 (max, sum)
+    merge        out (B, H_q, L, D): the splits' partial softmaxes combined
+
+Worked example: B=8, 32 query heads over 8 KV heads (R=4), D=128, L=1, T=32768. The 4
+query rows of a KV head fit one row tile (RB=4); 64 (b, h) pairs x 32 splits = 2048
+blocks of 1024 tokens (8 tiles of 128). Each block reads its tokens' K/V once.
+
+Turbo keys score against rotated queries (``prepare_queries``, a small MLX matmul before
+the kernel); turbo values are accumulated in their rotated basis and un-rotated once after
+the merge (``finish``), exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from kvserve.kernels.cuda_source import (
+    HEADER,
+    MERGE_BODY,
+    NT,
+    ROTATE_BODY,
+    TT,
+    split_source,
+)
+from kvserve.kernels.reference import attend_blockwise
+
+HEAD_DIMS = (64, 128, 256)
+MAX_L = 16  # decode and short chunks; longer prompts are compute-bound: the reference's matmuls
+MAX_RB = 8  # query rows per block: the value accumulator is RB x 8 registers per thread
+# Blocks to aim for: 132 SMs hold 3 blocks each (140-180 registers per thread), so this is
+# ~5 waves; on an H200 at T=32K affine4 took 0.419 ms with 2048 against 0.433 with 1024.
+TARGET_BLOCKS = 2048
+V_BATCH = 8  # value-slice loads a thread issues before using the first (16 measured slower)
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y / gridDim.z (splits / B * H_kv)
+MAX_ELEMS = (1 << 31) - 1  # MLX passes grid sizes as int: the merge launches B*H_q*L*D threads
+F32 = mx.float32
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the kernel must know, at compile time, about one stored component.
+
+    kind "raw" / "affine" / "mx" (mxfp4) / "turbo"; ``bits``; ``group`` (affine group,
+    32 for mxfp4, 0 otherwise); ``n_parts`` stored arrays; ``words`` uint32 per token row
+    (0 for raw).
+
+        >>> Layout("affine", 4, 64, 3, 16).chunk, Layout("turbo", 3, 0, 2, 12).chunk
+        (32, 32)
+    """
+
+    kind: str
+    bits: int
+    group: int
+    n_parts: int
+    words: int
+
+    @property
+    def chunk(self) -> int:
+        """Elements decoded per step of the scoring loop: 16 bytes of packed data (32
+        elements for 3-bit turbo: 3 words, the period of the 3-bit stream)."""
+        if self.kind == "raw":
+            return 16 * 8 // self.bits
+        return 32 if self.kind in ("mx", "turbo") or self.bits == 4 else 16
+
+    @property
+    def vec(self) -> int:
+        """Words per load in the scoring loop (4: 16-byte loads), as alignment allows."""
+        if self.kind == "raw":
+            return 4
+        per_chunk = self.chunk * self.bits // 32
+        for v in (4, 2):
+            if per_chunk % v == 0 and self.words % v == 0:
+                return v
+        return 1
+
+
+def layout_of(fmt, parts: tuple[mx.array, ...], dim: int) -> Layout | None:
+    """The ``Layout`` of a format object of the attention protocol, or None when the
+    kernels do not read it (mxfp8, nvfp4, other bit widths)."""
+    from kvserve.cache.affine import QuantizedFormat
+    from kvserve.cache.turbo_codec import AffineFormat, RawFormat, TurboFormat
+
+    if isinstance(fmt, QuantizedFormat):
+        f = fmt.fmt
+        if f.mode == "affine" and f.bits in (4, 8) and f.group_size in (32, 64, 128):
+            return Layout("affine", f.bits, f.group_size, 3, dim * f.bits // 32)
+        if f.mode == "mxfp4":
+            return Layout("mx", 4, 32, 2, dim // 8)
+        return None
+    if isinstance(fmt, AffineFormat) and fmt.bits in (4, 8):
+        return Layout("affine", fmt.bits, fmt.group_size, 3, dim * fmt.bits // 32)
+    if isinstance(fmt, RawFormat) and parts[0].dtype in (mx.float16, mx.bfloat16, F32):
+        return Layout("raw", 8 * parts[0].dtype.size, 0, 1, 0)
+    if isinstance(fmt, TurboFormat) and fmt.codec.bits in (2, 3, 4):
+        return Layout("turbo", fmt.codec.bits, 0, 2, fmt.codec.words)
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Launch shape of the split pass: RB rows per block, ``row_tiles`` x ``splits``
+    x (B * H_kv) blocks of NT threads."""
+
+    rb: int
+    row_tiles: int
+    splits: int
+
+    @property
+    def rbp(self) -> int:
+        return -(-self.rb // 4) * 4
+
+
+def plan(bh: int, rows: int, T: int, target: int = TARGET_BLOCKS) -> Plan:
+    """Rows per block and the number of context splits.
+
+    Each split takes ``per`` whole tiles of TT tokens; the kernel re-derives ``per`` as
+    ceil(tiles / splits), so only split counts for which that round trip holds are used.
+
+        >>> plan(64, 4, 32768)
+        Plan(rb=4, row_tiles=1, splits=32)
+        >>> plan(3, 12, 65)
+        Plan(rb=6, row_tiles=2, splits=1)
+    """
+    row_tiles = -(-rows // MAX_RB)
+    rb = 4 if rows <= 4 else -(-rows // row_tiles)  # 4 or more: one compiled kernel for 1-4
+    tiles = -(-T // TT)
+    want = max(1, min(tiles, -(-target // (bh * row_tiles))))
+    for s in range(want, 0, -1):
+        per = -(-tiles // s)
+        splits = -(-tiles // per)
+        if -(-tiles // splits) == per:
+            return Plan(rb, row_tiles, splits)
+    return Plan(rb, row_tiles, 1)
+
+
+def mask_kind(mask: Any, L: int) -> int:
+    """0 none, 1 causal (computed in the kernel), 2 boolean array, 3 additive array.
+
+        >>> mask_kind(None, 1), mask_kind("causal", 1), mask_kind("causal", 4)
+        (0, 0, 1)
+    """
+    if mask is None or (isinstance(mask, str) and L == 1):
+        return 0
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask '{mask}'")
+        return 1
+    return 2 if mask.dtype == mx.bool_ else 3
+
+
+def _mask4(mask: mx.array) -> mx.array:
+    """Any mlx-lm mask array as (B or 1, H_q or 1, L or 1, T), without a copy."""
+    while mask.ndim < 4:
+        mask = mask[None]
+    return mask
+
+
+def kernel_name(base: str, *texts: str) -> str:
+    """``base`` plus a digest of the kernel's source text.
+
+    MLX knows a compiled kernel by its name and template arguments only, in the process
+    and in its on-disk PTX cache (``$TMPDIR/mlx/<version>/ptx/<name>.ptx``, shared by every
+    process of one MLX version and never invalidated). A name without the digest would load
+    whatever binary an earlier process built under it, from whatever source that process
+    had: different argument lists and indexing, hence out-of-bounds accesses. With the digest
+    a changed source is a new name.
+
+        >>> kernel_name("k", "a") != kernel_name("k", "b")
+        True
+    """
+    return f"{base}_{hashlib.sha1(chr(0).join(texts).encode()).hexdigest()[:16]}"
+
+
+@functools.cache
+def _split_kernel(key: Layout, value: Layout, mask: int):
+    names = ["q", "sc"] + [f"k{i}" for i in range(key.n_parts)] + \
+        [f"v{i}" for i in range(value.n_parts)]
+    names += ["mask"] * (mask >= 2)
+    names += ["klut_in"] * (key.kind == "turbo") + ["vlut_in"] * (value.kind == "turbo")
+    # The JIT cache is keyed by name + template arguments: the name carries the formats and
+    # a digest of the source and argument names; the template, shapes and dtypes.
+    tag = f"{key.kind}{key.bits}g{key.group}_{value.kind}{value.bits}g{value.group}_m{mask}"
+    source = split_source(key, value, mask)
+    return mx.fast.cuda_kernel(
+        name=kernel_name(f"kvs_attn_split_{tag}", HEADER, source, *names),
+        input_names=names, output_names=["o_part", "ml_part"],
+        source=source, header=HEADER, ensure_row_contiguous=False)
+
+
+@functools.cache
+def _merge_kernel():
+    return mx.fast.cuda_kernel(name=kernel_name("kvs_attn_merge", MERGE_BODY),
+                               input_names=["o_part", "ml_part"], output_names=["out"],
+                               source=MERGE_BODY)
+
+
+@functools.cache
+def _scalar(x: float) -> mx.array:
+    """Softmax scale as a one-element array, built once per value (the kernel reads it
+    instead of baking it into the source, so one compiled kernel serves every scale)."""
+    a = mx.array([x], dtype=F32)
+    mx.eval(a)
+    return a
+
+
+@functools.cache
+def _rotate_kernel():
+    return mx.fast.cuda_kernel(name=kernel_name("kvs_rotate", ROTATE_BODY), input_names=["x", "m"],
+                               output_names=["out"], source=ROTATE_BODY)
+
+
+@functools.cache
+def _pi_t(codec) -> mx.array:
+    """Pi transposed, contiguous: queries rotate as q @ Pi.T (one per codec)."""
+    t = mx.contiguous(codec.pi.T)
+    mx.eval(t)
+    return t
+
+
+def _rotate(x: mx.array, m: mx.array) -> mx.array:
+    """x (..., D) f32 @ m (D, D) with f32 FMAs; returns (N, D), N = x.size / D."""
+    D = m.shape[0]
+    n = x.size // D
+    (out,) = _rotate_kernel()(inputs=[x.reshape(n, D), m], grid=(n * D, 1, 1),
+                              threadgroup=(256, 1, 1), output_shapes=[(n, D)],
+                              output_dtypes=[F32])
+    return out
+
+
+def _lut(fmt) -> mx.array:
+    return fmt.codec.centroids.astype(F32)
+
+
+def supported(queries: mx.array, key: Layout | None, value: Layout | None) -> bool:
+    _, _, L, D = queries.shape
+    return (key is not None and value is not None and D in HEAD_DIMS and 1 <= L <= MAX_L
+            and value.kind != "raw" and queries.dtype in (mx.float16, mx.bfloat16, F32))
+
+
+def part_widths(layout: Layout, dim: int) -> list[int]:
+    """Last-dim widths of the stored parts that the device code indexes up to, for head
+    dimension ``dim`` (the kernels take D from the queries and read every part up to it).
+
+        >>> part_widths(Layout("affine", 4, 64, 3, 16), 128), part_widths(Layout("turbo", 3, 0, 2, 12), 128)
+        ([16, 2, 2], [12, 1])
+    """
+    if layout.kind == "raw":
+        return [dim]
+    if layout.kind == "affine":
+        return [dim * layout.bits // 32, dim // layout.group, dim // layout.group]
+    if layout.kind == "mx":
+        return [dim // 8, dim // 32]
+    return [-(-dim * layout.bits // 32), 1]
+
+
+_PART_DTYPES = {"affine": (mx.uint32, None, None), "mx": (mx.uint32, mx.uint8),
+                "turbo": (mx.uint32, F32), "raw": (None,)}
+
+
+def launchable(queries: mx.array, kl: Layout, vl: Layout, keys: tuple[mx.array, ...],
+               values: tuple[mx.array, ...], mask: Any, key_fmt=None, value_fmt=None) -> bool:
+    """Whether every global read and write of the kernels stays inside the arrays passed.
+
+    The device code takes B, H_q, L and D from the queries and H_kv and T from the first
+    key part, and indexes every other part, the mask and the outputs with them. So: all
+    parts (B, H_kv, T, width) with the widths ``part_widths`` expects and 32-bit packed
+    words; a mask whose dims are each 1 or the full (B, H_q, L, T); turbo codecs of
+    dimension D with 2^bits centroids; grid sizes within CUDA's and MLX's int limits.
+    Anything else goes to the reference instead of reading past an array's end.
+    """
+    B, Hq, L, D = queries.shape
+    parts = (*keys, *values)
+    if any(a.ndim != 4 for a in parts):
+        return False
+    Hkv, T = keys[0].shape[1], keys[0].shape[2]
+    if any(tuple(a.shape[:3]) != (B, Hkv, T) for a in parts):
+        return False
+    for layout, arrays in ((kl, keys), (vl, values)):
+        if len(arrays) != layout.n_parts:
+            return False
+        if [a.shape[3] for a in arrays] != part_widths(layout, D):
+            return False
+        if layout.kind in ("affine", "turbo") and layout.words != part_widths(layout, D)[0]:
+            return False
+        for a, dt in zip(arrays, _PART_DTYPES[layout.kind]):
+            if dt is not None and a.dtype != dt:
+                return False
+    for layout, fmt in ((kl, key_fmt), (vl, value_fmt)):
+        codec = getattr(fmt, "codec", None)
+        if layout.kind == "turbo" and codec is not None and (
+                codec.dim != D or codec.centroids.size != 1 << layout.bits):
+            return False
+    if B * Hkv > MAX_GRID_YZ or B * Hq * L * D > MAX_ELEMS or T > MAX_ELEMS - TT:
+        return False
+    if mask is not None and not isinstance(mask, str):
+        if mask.ndim > 4:
+            return False
+        m = _mask4(mask)
+        if any(n not in (1, full) for n, full in zip(m.shape, (B, Hq, L, T))):
+            return False
+    return True
+
+
+def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
+                values: tuple[mx.array, ...], scale: float, mask: Any,
+                key_scale: mx.array | None = None) -> mx.array:
+    """Attention of (B, H_q, L, D) queries over stored K/V parts (B, H_kv, T, W): the
+    fused kernels where they apply, else the blockwise reference. Returns the queries'
+    dtype, (B, H_q, L, D)."""
+    B, Hq, L, D = queries.shape
+    Hkv, T = keys[0].shape[1], keys[0].shape[2]
+    kl, vl = layout_of(key_fmt, keys, D), layout_of(value_fmt, values, D)
+    if not supported(queries, kl, vl) or Hq % Hkv or T == 0 \
+            or not launchable(queries, kl, vl, keys, values, mask, key_fmt, value_fmt):
+        return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale)
+    R = Hq // Hkv
+    q = queries
+    if kl.kind == "turbo":  # rotate once (and fold in the key calibration), f32
+        q = _rotate(queries.astype(F32), _pi_t(key_fmt.codec)).reshape(B, Hkv, R, L, D)
+        q = (q if key_scale is None else q * key_scale[:, :, None]).reshape(B, Hq, L, D)
+    kind = mask_kind(mask, L)
+    inputs = [q, _scalar(float(scale)), *keys, *values]
+    if kind >= 2:
+        inputs.append(_mask4(mask))
+    if kl.kind == "turbo":
+        inputs.append(_lut(key_fmt))
+    if vl.kind == "turbo":
+        inputs.append(_lut(value_fmt))
+    p = plan(B * Hkv, R * L, T)
+    template = _template(kl, vl, D, p, kind, inputs)
+    o_part, ml_part = _split_kernel(kl, vl, kind)(
+        inputs=inputs, template=template, grid=(p.row_tiles * NT, p.splits, B * Hkv),
+        threadgroup=(NT, 1, 1),
+        output_shapes=[(p.splits, B * Hkv, R * L, D), (p.splits, B * Hkv, R * L, 2)],
+        output_dtypes=[F32, F32])
+    turbo_v = vl.kind == "turbo"
+    out_dtype = F32 if turbo_v else queries.dtype
+    n = B * Hq * L * D
+    (out,) = _merge_kernel()(
+        inputs=[o_part, ml_part], template=[("OT", out_dtype)], grid=(n, 1, 1),
+        threadgroup=(256, 1, 1), output_shapes=[(B, Hq, L, D)], output_dtypes=[out_dtype])
+    if turbo_v:  # one inverse rotation of the merged accumulator (``value_fmt.finish``)
+        out = _rotate(out, value_fmt.codec.pi).reshape(B, Hq, L, D).astype(queries.dtype)
+    return out
+
+
+def _template(kl: Layout, vl: Layout, D: int, p: Plan, kind: int, inputs) -> list:
+    """Compile-time constants; the input dtypes are listed too, because the JIT cache
+    knows a kernel by name and template arguments only, and the signature's pointer
+    types follow the dtypes."""
+    consts = [("D", D), ("RB", p.rb), ("RBP", p.rbp), ("MASK", kind),
+              ("KEC", kl.chunk), ("KBITS", kl.bits), ("KGS", kl.group or 32), ("KVEC", kl.vec),
+              ("VBITS", vl.bits), ("VGS", vl.group or 32), ("VW", max(vl.words, 1)), ("VBATCH", V_BATCH)]
+    first_value = 2 + kl.n_parts  # inputs: q, scale, key parts, value parts, ...
+    names = [("DT_V0", inputs[first_value].dtype)]
+    if vl.n_parts > 1:
+        names.append(("DT_V1", inputs[first_value + 1].dtype))
+    return consts + names + [(f"DT{i}", a.dtype) for i, a in enumerate(inputs)]
+
+
+def cuda_ready() -> bool:
+    """True where MLX has its CUDA backend and a device."""
+    try:
+        return bool(mx.cuda.is_available())
+    except AttributeError:  # an MLX without the cuda module
+        return False
+
+
+def family(key_fmt, value_fmt) -> str | None:
+    """Which kernel family serves this pair of formats (None: the reference does), by
+    the format objects alone, as ``FusedKernel.supports`` sees them.
+
+        >>> from kvserve.cache.affine import QuantizedFormat
+        >>> from kvserve.cache.scheme import parse_scheme
+        >>> s = parse_scheme("affine4-g32")
+        >>> family(QuantizedFormat(s.keys), QuantizedFormat(s.values))
+        'affine'
+    """
+    from kvserve.cache.affine import QuantizedFormat
+    from kvserve.cache.turbo_codec import AffineFormat, RawFormat, TurboFormat
+
+    if isinstance(key_fmt, QuantizedFormat) and isinstance(value_fmt, QuantizedFormat):
+        k, v = key_fmt.fmt, value_fmt.fmt
+        if k.mode == v.mode == "affine" and {k.bits, v.bits} <= {4, 8}:
+            return "affine"
+        return "mxfp4" if k.mode == v.mode == "mxfp4" else None
+    if not isinstance(value_fmt, TurboFormat) or value_fmt.codec.bits not in (2, 3, 4):
+        return None
+    if isinstance(key_fmt, RawFormat):
+        return "turbo-raw-keys"
+    if isinstance(key_fmt, AffineFormat) and key_fmt.bits in (4, 8):
+        return "turbo-affine-keys"
+    if isinstance(key_fmt, TurboFormat) and key_fmt.codec.bits in (2, 3, 4):
+        return "turbo-turbo-keys"
+    return None
+
+
+FAMILIES = ("affine", "mxfp4", "turbo-raw-keys", "turbo-affine-keys", "turbo-turbo-keys")
+# Families whose GPU grid (bench/gpu_attention_grid.py, docs/benchmarks/attention-gpu.md)
+# passed on an NVIDIA GPU: the dispatch runs them there without a start-up self-check.
+# All five passed on an H200 (mlx 0.32.4): 473 cases over 17 schemes.
+VERIFIED_ON_GPU: frozenset[str] = frozenset(FAMILIES)
+
+
+def kernel_specs() -> list[dict]:
+    """One ``FusedKernel`` description per family (the dispatch builds and registers them).
+
+        >>> [s["name"] for s in kernel_specs()][:2]
+        ['cuda-affine', 'cuda-mxfp4']
+    """
+    def supports_for(name):
+        return lambda kf, vf, L: L <= MAX_L and family(kf, vf) == name
+    return [{"name": f"cuda-{name}", "supports": supports_for(name), "fn": attend_cuda,
+             "verified": name in VERIFIED_ON_GPU} for name in FAMILIES]

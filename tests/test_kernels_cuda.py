@@ -1,0 +1,147 @@
+"""The CUDA attention kernels: what can be checked without a GPU (launch plans, format
+detection, source generation, the decoding identities the device code relies on, the
+dispatch on the CPU), and a kernel-against-reference check that runs only on a CUDA GPU.
+The full GPU grid is bench/gpu_attention_grid.py (docs/benchmarks/attention-gpu-grid.md).
+"""
+
+import doctest
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kvserve.cache import parse_scheme
+from kvserve.cache.affine import QuantizedFormat, quantize_parts
+from kvserve.cache.turbo_codec import make_format
+from kvserve.kernels import cuda_attention as ca
+from kvserve.kernels import cuda_source, dispatch
+from kvserve.kernels.reference import attend_full
+
+ON_CUDA = ca.cuda_ready()
+
+
+def _formats(name, D=128, T=8, B=1, H=2):
+    s = parse_scheme(name)
+    k = mx.random.normal((B, H, T, D), key=mx.random.key(1))
+    if s.values.kind == "turbo":
+        kf, vf = make_format(s.keys, D), make_format(s.values, D)
+        return kf, tuple(kf.encode(k)), vf, tuple(vf.encode(k))
+    kf, vf = QuantizedFormat(s.keys), QuantizedFormat(s.values)
+    return kf, tuple(quantize_parts(k, s.keys)), vf, tuple(quantize_parts(k, s.values))
+
+
+@pytest.mark.parametrize("name,family", [
+    ("affine4", "affine"), ("affine8-g32", "affine"), ("mxfp4", "mxfp4"), ("mxfp8", None),
+    ("nvfp4", None), ("turbo0v4", "turbo-raw-keys"), ("turbo8v3", "turbo-affine-keys"),
+    ("turbo3", "turbo-turbo-keys")])
+def test_family_by_format(name, family):
+    kf, _, vf, _ = _formats(name)
+    assert ca.family(kf, vf) == family
+
+
+@pytest.mark.parametrize("name,key,value", [
+    ("affine4-g128", ("affine", 4, 128, 3, 16), ("affine", 4, 128, 3, 16)),
+    ("mxfp4", ("mx", 4, 32, 2, 16), ("mx", 4, 32, 2, 16)),
+    ("turbo0v3", ("raw", 32, 0, 1, 0), ("turbo", 3, 0, 2, 12)),
+    ("turbo8v2", ("affine", 8, 64, 3, 32), ("turbo", 2, 0, 2, 8))])
+def test_layouts_match_the_stored_parts(name, key, value):
+    kf, kp, vf, vp = _formats(name)
+    kl, vl = ca.layout_of(kf, kp, 128), ca.layout_of(vf, vp, 128)
+    assert (kl.kind, kl.bits, kl.group, kl.n_parts, kl.words) == key
+    assert (vl.kind, vl.bits, vl.group, vl.n_parts, vl.words) == value
+    assert len(kp) == kl.n_parts and len(vp) == vl.n_parts
+    for layout, parts in ((kl, kp), (vl, vp)):
+        if layout.words:  # the packed part's width is what the kernel indexes with
+            assert parts[0].shape[-1] == layout.words and parts[0].dtype == mx.uint32
+        assert 128 % layout.chunk == 0 and layout.chunk * max(layout.bits, 1) % 32 == 0
+
+
+@pytest.mark.parametrize("bh,rows,T", [(64, 4, 32768), (1, 1, 1), (3, 12, 65), (2, 128, 4096),
+                                       (24, 8, 1000), (1, 3, 129), (7, 32, 100000)])
+def test_plan_splits_cover_the_context_once(bh, rows, T):
+    p = ca.plan(bh, rows, T)
+    assert 1 <= p.rb <= ca.MAX_RB and p.rb * p.row_tiles >= rows and p.rbp % 4 == 0
+    tiles = -(-T // cuda_source.TT)
+    per = -(-tiles // p.splits)  # what the kernel derives from T and gridDim.y
+    starts = [s * per for s in range(p.splits)]
+    assert all(s < tiles for s in starts) and p.splits * per >= tiles  # none empty, none missed
+
+
+def test_mask_kinds():
+    assert ca.mask_kind(None, 4) == 0 and ca.mask_kind("causal", 4) == 1
+    assert ca.mask_kind(mx.ones((2, 1, 4, 9), mx.bool_), 4) == 2
+    assert ca.mask_kind(mx.zeros((4, 9), mx.float16), 4) == 3
+    assert ca._mask4(mx.zeros((4, 9))).shape == (1, 1, 4, 9)
+    with pytest.raises(ValueError):
+        ca.mask_kind("sliding", 4)
+
+
+@pytest.mark.parametrize("name", ["affine4", "mxfp4", "turbo0v4", "turbo8v3", "turbo2"])
+@pytest.mark.parametrize("mask", [0, 1, 2, 3])
+def test_generated_source_is_complete(name, mask):
+    kf, kp, vf, vp = _formats(name)
+    src = cuda_source.split_source(ca.layout_of(kf, kp, 128), ca.layout_of(vf, vp, 128), mask)
+    assert not re.search(r"__[A-Z_]+__", src)  # every placeholder was filled
+    assert ("mask[at]" in src) == (mask >= 2) and ("T - L + l" in src) == (mask == 1)
+    assert src.count("{") == src.count("}")
+
+
+def test_unit_code_identity_behind_the_affine_decode():
+    """x = 1 + n/2^b from the bits 0x3F800000 | n << (23 - b), and s*n + z ==
+    (s 2^b) x + (z - s 2^b), as the device code computes affine values."""
+    for bits in (4, 8):
+        n = np.arange(1 << bits, dtype=np.uint32)
+        x = (np.uint32(0x3F800000) | (n << np.uint32(23 - bits))).view(np.float32)
+        assert np.array_equal(x, 1 + n / (1 << bits))
+        s, z = np.float32(0.0371), np.float32(-0.52)
+        got = np.float32(s * (1 << bits)) * x + np.float32(z - s * (1 << bits))
+        assert np.allclose(got, s * n + z, rtol=0, atol=2e-6)
+
+
+def test_mxfp4_decode_matches_mlx():
+    """e2m1 codes through an f16 (subnormals give 0 and 0.5) times 2^(e - 127 + 14),
+    against ``mx.dequantize`` of the same packed words."""
+    x = mx.random.normal((4, 64), key=mx.random.key(3)) * 3
+    w, e = mx.quantize(x, group_size=32, bits=4, mode="mxfp4")
+    want = np.array(mx.dequantize(w, e, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32))
+    codes = (np.array(w)[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF  # (4, 8, 8)
+    codes = codes.reshape(4, 64)
+    half = (((codes & 7) << 9) | ((codes & 8) << 12)).astype(np.uint16).view(np.float16)
+    scale = ((np.array(e).astype(np.uint32) + 14) << 23).view(np.float32)  # (4, 2)
+    got = half.astype(np.float32) * np.repeat(scale, 32, axis=1)
+    assert np.array_equal(got, want)
+
+
+def test_dispatch_offers_cuda_kernels_only_on_cuda():
+    names = [k.name for k in dispatch._KERNELS]
+    assert any(n.startswith("cuda-") for n in names) == ON_CUDA
+    kf, _, vf, _ = _formats("affine4")
+    assert dispatch.choose(kf, vf, 1, 4096, mx.cpu) == "blockwise"
+    assert all(spec["verified"] for spec in ca.kernel_specs())  # the H200 grid passed all
+
+
+def test_specs_support_only_short_queries():
+    kf, _, vf, _ = _formats("turbo8v3")
+    spec = next(s for s in ca.kernel_specs() if s["name"] == "cuda-turbo-affine-keys")
+    assert spec["supports"](kf, vf, 1) and spec["supports"](kf, vf, 16)
+    assert not spec["supports"](kf, vf, 17)
+
+
+@pytest.mark.parametrize("module", [ca, cuda_source])
+def test_doctests(module):
+    assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["affine4", "affine8", "mxfp4", "turbo0v4", "turbo8v3", "turbo4"])
+@pytest.mark.parametrize("L", [1, 4])
+def test_kernel_matches_the_reference_on_gpu(name, L):
+    D, T, B, Hkv, R = 128, 300, 2, 2, 4
+    kf, kp, vf, vp = _formats(name, D, T, B, Hkv)
+    q = mx.random.normal((B, Hkv * R, L, D), key=mx.random.key(5))
+    with mx.stream(mx.gpu):
+        got = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, "causal")
+        mx.eval(got)
+    with mx.stream(mx.cpu):
+        want = attend_full(q, kf, kp, vf, vp, D ** -0.5, "causal")
+        assert mx.max(mx.abs(got - want)).item() <= 2e-4
