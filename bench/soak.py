@@ -107,6 +107,22 @@ def kv_bytes(values: dict[str, float]) -> float:
     return sum(v for k, v in values.items() if k.startswith("kvserve_kv_cache_bytes"))
 
 
+def prefix_ram_bytes(values: dict[str, float]) -> float:
+    return sum(v for k, v in values.items() if k.startswith("kvserve_prefix_cache_ram_bytes"))
+
+
+def warm_index(prefix_mib: list[float], fraction: float) -> int:
+    """The RSS baseline sample: after ``fraction`` of the run, and not before the prefix
+    cache's RAM tier has filled to its budget (a bounded cache filling up is not a leak).
+
+    >>> warm_index([0, 0, 0, 0], 0.25), warm_index([10, 50, 99, 100, 100, 99, 100, 100], 0.25)
+    (1, 2)
+    """
+    fill = max(prefix_mib, default=0.0)
+    full = next((i for i, v in enumerate(prefix_mib) if v >= 0.98 * fill), 0) if fill else 0
+    return min(len(prefix_mib) - 1, max(int(len(prefix_mib) * fraction), full))
+
+
 def growth_pct(rss: list[int], warm_index: int) -> float:
     """Growth of the largest RSS after the warm-up sample over that sample, in percent."""
     base = rss[warm_index]
@@ -182,7 +198,8 @@ def soak(base_url: str, pid: int, minutes: float, streams: int, abort_rate: floa
         time.sleep(min(sample_s, max(0.0, minutes * 60 - elapsed)))
         values = metrics(base_url)
         sample = {"t_s": round(time.monotonic() - started), "rss_mib": rss_bytes(pid) / 2**20,
-                  "kv_mib": kv_bytes(values) / 2**20, "running": values.get("kvserve_requests_running", 0),
+                  "kv_mib": kv_bytes(values) / 2**20, "prefix_mib": prefix_ram_bytes(values) / 2**20,
+                  "running": values.get("kvserve_requests_running", 0),
                   "completed": tally.completed, "aborted": tally.aborted,
                   "failed": len(tally.failed), "hung": len(tally.hung)}
         samples.append(sample)
@@ -209,12 +226,13 @@ def _wait_idle(base_url: str, timeout: float = 60) -> dict:
 def report(result: dict, args, exit_code: int) -> tuple[str, bool]:
     tally, samples, idle = result["tally"], result["samples"], result["idle"]
     rss = [s["rss_mib"] for s in samples]
-    warm = min(len(samples) - 1, max(0, int(len(samples) * args.warmup_fraction)))
+    warm = warm_index([s["prefix_mib"] for s in samples], args.warmup_fraction)
     growth = growth_pct(rss, warm) if rss else float("nan")
     ok = (not tally.hung and not tally.failed and idle["kv_bytes"] == 0 and idle["inflight"] == 0
           and growth < 5.0 and exit_code == 0)
     step = max(1, len(samples) // 20)
-    rows = "\n".join(f"| {s['t_s']} | {s['rss_mib']:.1f} | {s['kv_mib']:.2f} | {s['running']:.0f} | "
+    rows = "\n".join(f"| {s['t_s']} | {s['rss_mib']:.1f} | {s['kv_mib']:.2f} | {s['prefix_mib']:.0f} | "
+                     f"{s['running']:.0f} | "
                      f"{s['completed']} | {s['aborted']} | {s['failed']} | {s['hung']} |"
                      for s in samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else []))
     text = f"""{args.minutes:g} minutes, {args.streams} concurrent streams, {args.abort_rate:.0%} hang up after 1-40 tokens,
@@ -222,15 +240,16 @@ max_tokens 16-160, temperature 0.8, model `{args.model or 'default'}`, KV scheme
 
 - requests: **{tally.completed}** completed, **{tally.aborted}** aborted by the client,
   **{len(tally.failed)}** failed, **{len(tally.hung)}** hung (no byte for {args.hang_s:g} s); {tally.tokens} tokens streamed
-- RSS: {rss[warm]:.1f} MiB after the warm-up (sample at {samples[warm]['t_s']} s), largest after it
+- RSS: {rss[warm]:.1f} MiB after the warm-up (sample at {samples[warm]['t_s']} s: past {args.warmup_fraction:.0%}
+  of the run and the prefix cache's RAM tier full at {samples[warm]['prefix_mib']:.0f} MiB), largest after it
   {max(rss[warm:]):.1f} MiB (**{growth:+.2f}%**), at the end {rss[-1]:.1f} MiB, idle {result['rss_idle_mib']:.1f} MiB
 - idle after the clients stopped: {idle['inflight']} in flight, **{idle['kv_bytes']:.0f} KV bytes**,
   {idle['running']:.0f} running, {idle['waiting']:.0f} waiting
 - server exit code after SIGTERM: {exit_code}
 - verdict: **{'pass' if ok else 'FAIL'}** (0 hung, 0 failed, 0 KV bytes idle, RSS growth < 5%, exit 0)
 
-| t (s) | RSS (MiB) | KV (MiB) | running | completed | aborted | failed | hung |
-| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+| t (s) | RSS (MiB) | KV (MiB) | prefix cache RAM (MiB) | running | completed | aborted | failed | hung |
+| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
 {rows}
 """
     for line in (tally.failed + tally.hung)[:10]:
@@ -246,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hang-s", type=float, default=120, help="no byte for this long = hung")
     parser.add_argument("--sample-s", type=float, default=15)
     parser.add_argument("--warmup-fraction", type=float, default=0.25,
-                        help="share of the run before the RSS baseline is taken")
+                        help="share of the run before the RSS baseline is taken (later if the "
+                             "prefix cache's RAM tier is still filling)")
     parser.add_argument("--model", help="passed to kvserve serve (default: the default model)")
     parser.add_argument("--kv-scheme", default="fp16")
     parser.add_argument("--seed", type=int, default=0)

@@ -134,8 +134,9 @@ def attend(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
 
 
 def _register_cuda_kernels() -> None:
-    """Offer the CUDA kernels where MLX runs on an NVIDIA GPU; families the GPU grid
-    verified are trusted there, the others must pass ``self_check`` first."""
+    """Offer the CUDA kernels where MLX runs on an NVIDIA GPU. Families listed in
+    ``cuda_attention.VERIFIED_ON_GPU`` are trusted there; the others (currently all) must
+    pass ``self_check`` on their first call in the process before they serve any."""
     from kvserve.kernels import cuda_attention
 
     if not cuda_attention.cuda_ready():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from servers import random_llama
 
-from kvserve.cache import parse_scheme
+from kvserve.cache import SCHEME_NAMES, parse_scheme
 from kvserve.server.engine.request import FinishReason, Request, SamplingParams
 from kvserve.server.engine.runner import ModelRunner
 from kvserve.server.engine.scheduler import Scheduler, StepPlan
@@ -45,7 +45,7 @@ def greedy_params() -> list[SamplingParams]:
 # Greedy tokens are identical for every scheme: a row's K/V are encoded from its own tokens
 # only (padding excluded), and other rows' slots are masked. Logits differ from the request
 # alone by float rounding only (other GEMM shapes, longer masked attention rows).
-@pytest.mark.parametrize("scheme", ["fp16", "affine8", "turbo0v4"])
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
 def test_batch_of_8_decodes_like_each_request_alone(model, scheme):
     runner = ModelRunner(model, parse_scheme(scheme))
     trace = drive(runner, make_requests(greedy_params()), step_tokens=96, prefill=32)

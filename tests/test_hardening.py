@@ -320,6 +320,21 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_work(tiny_mod
     assert [r["status"] for r in results] == [200] * 8
     assert [(r["finish_reason"], r["done"]) for r in results] == [("length", True)] * 8
     assert "SIGTERM: draining 8 request(s)" in proc.output()
+    # The 8 chats finished during the drain, and each was queued for the prefix cache's disk
+    # writer; stopping the engine flushed them, so a restart finds all of them on disk.
+    again = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path)).wait_ready()
+    try:
+        values = metric_values(again.base_url)
+    finally:
+        assert again.stop() == 0
+    disk = [v for k, v in values.items() if k.startswith("kvserve_prefix_cache_disk_entries")]
+    assert disk and disk[0] >= 8, values
+
+
+def metric_values(base_url: str) -> dict[str, float]:
+    lines = httpx.get(f"{base_url}/metrics").text.splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines
+            if line and not line.startswith("#")}
 
 
 def test_drain_timeout_aborts_what_is_left_with_a_finish_reason(tiny_model_dir, tmp_path):

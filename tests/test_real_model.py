@@ -19,7 +19,9 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 @pytest.fixture(scope="module", params=["fp16", "turbo0v4"])
 def default_server(request, default_model_dir):
-    proc = ServerProcess(default_model_dir, "--kv-scheme", request.param)
+    # No prefix cache: the batched requests below must compute what the lone ones did.
+    proc = ServerProcess(default_model_dir, "--kv-scheme", request.param,
+                         "--prompt-cache-ram-gb", "0", "--prompt-cache-disk-gb", "0")
     yield proc.wait_ready()
     assert proc.stop() == 0, proc.output()
 
@@ -109,23 +111,42 @@ def test_concurrent_greedy_chats_equal_each_alone(default_server):
     """One decode forward over all rows gives each fp16 row the tokens it gets alone: a row's
     K/V come from its own tokens, other rows' slots and padding are masked.
 
-    Quantized schemes are held to less here: a batched matmul rounds differently from a
+    Quantized schemes are held to a bound instead: a batched matmul rounds differently from a
     single-row one, and a value that sits on a quantization boundary can then take the other
-    code. On "Who wrote Hamlet?" with turbo0v4 the batched answer left the alone one where the
-    alone run's top two logits were 0.057 apart. Exact agreement for quantized schemes is
-    pinned on the tiny model in test_batching.py."""
+    code, which moves a logit by a rounding-sized amount. So where a batched answer leaves the
+    lone one, the lone run must have had a near-tie there: the batched token is its second
+    choice, less than ``NEAR_TIE`` nats below the first. Exact agreement for quantized schemes
+    is pinned on the tiny model in test_batching.py."""
     client = openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     scheme = client.models.list().data[0].model_extra["kv_scheme"]
 
-    def ask(question: str) -> str:
+    def ask(question: str):
         messages = [{"role": "user", "content": question}]
-        answer = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16)
-        return answer.choices[0].message.content
+        answer = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16,
+                                                logprobs=True, top_logprobs=2)
+        return answer.choices[0].logprobs.content
 
     alone = [ask(q) for q in QUESTIONS]
     batched = together([lambda q=q: ask(q) for q in QUESTIONS])
+    tokens = [[e.token for e in answer] for answer in alone]
     if scheme == "fp16":
-        assert batched == alone
-    else:
-        assert all(batched) and "Paris" in batched[0]
+        assert [[e.token for e in answer] for answer in batched] == tokens
+        return
+    for lone, group in zip(alone, batched):
+        gap = divergence_gap(lone, group)
+        assert gap is None or gap < NEAR_TIE, (gap, [e.token for e in lone], [e.token for e in group])
+
+
+NEAR_TIE = 0.25  # nats; the largest gap measured at a divergence was 0.057
+
+
+def divergence_gap(lone, group) -> float | None:
+    """At the first differing token: how far the batched pick sat below the lone pick in the
+    lone run (None when the answers agree)."""
+    for mine, theirs in zip(lone, group):
+        if mine.token != theirs.token:
+            ranked = {t.token: t.logprob for t in mine.top_logprobs}
+            assert theirs.token in ranked, "the batched token was not even the lone run's runner-up"
+            return mine.logprob - ranked[theirs.token]
+    return None

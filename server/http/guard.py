@@ -3,8 +3,8 @@
 Everything here answers before FastAPI parses anything, in the OpenAI error shape:
 
 - 401 ``invalid_api_key`` without ``Authorization: Bearer <key>`` when a key is configured
-  (every route but ``GET /health``, and CORS preflights; compared in constant time on the raw ASGI path, so no
-  rebuilt URL or Host header can route around it);
+  (every route but ``GET /health`` and CORS preflights; compared in constant time, on the raw
+  ASGI path the router also uses, so no rebuilt URL or Host header can route around it);
 - 431 ``headers_too_large`` for a request line and headers over the limit (the HTTP parser
   also stops a slow drip of headers at the same size);
 - 413 ``body_too_large`` for a body over the limit, declared or streamed;
@@ -14,8 +14,8 @@ Everything here answers before FastAPI parses anything, in the OpenAI error shap
 
 Example (a drained gate refuses new work, ``/health`` and metrics stay readable):
     >>> gate = Gate()
-    >>> gate.admits("POST", "/v1/chat/completions"), gate.start_drain(), gate.admits("POST", "/v1/completions")
-    (True, True, False)
+    >>> gate.admits("POST"), gate.start_drain(), gate.admits("POST"), gate.admits("GET")
+    (True, True, False, True)
     >>> gate.start_drain()  # already draining: the caller should not start a second drain
     False
     >>> check_json(b'{"a": [1, "x"]}'), check_json(b'{"t": NaN}')
@@ -38,7 +38,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_JSON_DEPTH = 32  # our schemas nest 4 deep; deeper only costs the parser and validator
 PUBLIC_PATHS = frozenset({"/health"})  # load balancers probe it without a key
-_JSON_CONSTANTS = ("NaN", "Infinity", "-Infinity")
 
 
 class Gate:
@@ -75,12 +74,14 @@ class Gate:
 
     def start_drain(self) -> bool:
         """Close admission; True only for the call that closed it."""
-        if self._draining.is_set():
-            return False
-        self._draining.set()
-        return True
+        with self._lock:
+            if self._draining.is_set():
+                return False
+            self._draining.set()
+            return True
 
-    def admits(self, method: str, path: str) -> bool:
+    def admits(self, method: str) -> bool:
+        """New work arrives by POST; reads (health, metrics, models) stay open while draining."""
         return not (self.draining and method == "POST")
 
 
@@ -187,7 +188,7 @@ class GuardMiddleware:
                 and not bearer_matches(_header(scope, b"authorization"), self.key):
             return await send_error(send, 401, "missing or invalid API key (Authorization: Bearer ...)",
                                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        if not self.gate.admits(method, path):
+        if not self.gate.admits(method):
             return await send_error(send, 503, "the server is shutting down", code="server_draining",
                                     headers={"Retry-After": "5", "Connection": "close"})
         if method not in ("POST", "PUT", "PATCH"):
