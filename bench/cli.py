@@ -71,7 +71,8 @@ def bench_target(target: Target, model_dir: Path, args, prompts: list[str]) -> d
     print(f"bench: starting {target.label}", file=sys.stderr, flush=True)
     running = Running(target, model_dir)
     try:
-        run_load(running.base_url, chat_bodies(running.model_name, prompts[:1], 8), 1)  # warm-up
+        # Warm-up with a prompt outside the measured set: no server may answer from it later.
+        run_load(running.base_url, chat_bodies(running.model_name, ["Say hello."], 8), 1)
         result = run_load(running.base_url, chat_bodies(running.model_name, prompts, args.max_tokens),
                           args.concurrency)
         row = {"label": target.label, **result.summary()}

@@ -40,8 +40,8 @@ def write_chart(rows: list[dict], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    labels = [r["label"].replace("kvserve serve ", "kvserve\n").replace("mlx_lm.server", "mlx_lm.server\n")
-              for r in rows]
+    labels = [r["label"].replace("kvserve serve --kv-scheme ", "kvserve\n").replace("kvserve serve", "kvserve\n")
+              .replace("mlx_lm.server", "mlx_lm.server\n") for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     left.bar(labels, [r["output_tok_s"] for r in rows], color="#3b7dd8")
     left.set_title("aggregate output tokens/s (higher is better)")

@@ -87,11 +87,13 @@ def start_server(args: list[str], log) -> ServerHandle:
     return ServerHandle(args, path).wait_ready()
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """``VmRSS`` (all resident memory), ``RssAnon`` (heap: where a leak shows) or ``RssFile``
+    (mapped files: weights, and prefix-cache files read back from disk)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS line")
+    raise RuntimeError(f"no {field} line")
 
 
 def metrics(base_url: str) -> dict[str, float]:
@@ -198,6 +200,7 @@ def soak(base_url: str, pid: int, minutes: float, streams: int, abort_rate: floa
         time.sleep(min(sample_s, max(0.0, minutes * 60 - elapsed)))
         values = metrics(base_url)
         sample = {"t_s": round(time.monotonic() - started), "rss_mib": rss_bytes(pid) / 2**20,
+                  "anon_mib": rss_bytes(pid, "RssAnon") / 2**20, "file_mib": rss_bytes(pid, "RssFile") / 2**20,
                   "kv_mib": kv_bytes(values) / 2**20, "prefix_mib": prefix_ram_bytes(values) / 2**20,
                   "running": values.get("kvserve_requests_running", 0),
                   "completed": tally.completed, "aborted": tally.aborted,
@@ -231,7 +234,8 @@ def report(result: dict, args, exit_code: int) -> tuple[str, bool]:
     ok = (not tally.hung and not tally.failed and idle["kv_bytes"] == 0 and idle["inflight"] == 0
           and growth < 5.0 and exit_code == 0)
     step = max(1, len(samples) // 20)
-    rows = "\n".join(f"| {s['t_s']} | {s['rss_mib']:.1f} | {s['kv_mib']:.2f} | {s['prefix_mib']:.0f} | "
+    rows = "\n".join(f"| {s['t_s']} | {s['rss_mib']:.1f} | {s['anon_mib']:.1f} | {s['file_mib']:.1f} | "
+                     f"{s['kv_mib']:.2f} | {s['prefix_mib']:.0f} | "
                      f"{s['running']:.0f} | "
                      f"{s['completed']} | {s['aborted']} | {s['failed']} | {s['hung']} |"
                      for s in samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else []))
@@ -241,15 +245,18 @@ max_tokens 16-160, temperature 0.8, model `{args.model or 'default'}`, KV scheme
 - requests: **{tally.completed}** completed, **{tally.aborted}** aborted by the client,
   **{len(tally.failed)}** failed, **{len(tally.hung)}** hung (no byte for {args.hang_s:g} s); {tally.tokens} tokens streamed
 - RSS: {rss[warm]:.1f} MiB after the warm-up (sample at {samples[warm]['t_s']} s: past {args.warmup_fraction:.0%}
-  of the run and the prefix cache's RAM tier full at {samples[warm]['prefix_mib']:.0f} MiB), largest after it
-  {max(rss[warm:]):.1f} MiB (**{growth:+.2f}%**), at the end {rss[-1]:.1f} MiB, idle {result['rss_idle_mib']:.1f} MiB
+  of the run, and the prefix cache's RAM tier within 2% of its largest, {samples[warm]['prefix_mib']:.0f} MiB), largest after it
+  {max(rss[warm:]):.1f} MiB (**{growth:+.2f}%**), at the end {rss[-1]:.1f} MiB, idle {result['rss_idle_mib']:.1f} MiB;
+  anonymous memory {samples[warm]['anon_mib']:.1f} -> {max(s['anon_mib'] for s in samples[warm:]):.1f} MiB
+  (**{growth_pct([s['anon_mib'] for s in samples], warm):+.2f}%**), mapped files
+  {samples[warm]['file_mib']:.1f} -> {max(s['file_mib'] for s in samples[warm:]):.1f} MiB
 - idle after the clients stopped: {idle['inflight']} in flight, **{idle['kv_bytes']:.0f} KV bytes**,
   {idle['running']:.0f} running, {idle['waiting']:.0f} waiting
 - server exit code after SIGTERM: {exit_code}
 - verdict: **{'pass' if ok else 'FAIL'}** (0 hung, 0 failed, 0 KV bytes idle, RSS growth < 5%, exit 0)
 
-| t (s) | RSS (MiB) | KV (MiB) | prefix cache RAM (MiB) | running | completed | aborted | failed | hung |
-| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+| t (s) | RSS (MiB) | anon | file | KV (MiB) | prefix cache RAM (MiB) | running | completed | aborted | failed | hung |
+| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
 {rows}
 """
     for line in (tally.failed + tally.hung)[:10]:

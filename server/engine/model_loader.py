@@ -54,7 +54,7 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
 
     from kvserve.server.engine.fastpath import install_table_rope
     from kvserve.server.engine.runner import ModelRunner
-    from kvserve.server.engine.weights import apply_weight_format, remembered_weight_format
+    from kvserve.server.engine.weights import apply_weight_format, choose_weight_format
 
     source = resolve_model(config.model, config.resolved_cache_dir(), progress)
     try:
@@ -62,7 +62,7 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     except Exception as exc:  # mlx-lm raises many types; the user needs one line
         raise ModelLoadError(f"cannot load model {source}: {type(exc).__name__}: {exc}") from None
     _check_scheme_fits(model, scheme)
-    choice = remembered_weight_format(model, config.weight_format, _weight_memo(config, source, blas))
+    choice = choose_weight_format(model, config.weight_format)
     apply_weight_format(model, choice)
     install_table_rope(model)
     info = ModelInfo(
@@ -79,28 +79,21 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     swap_dir.mkdir(parents=True, exist_ok=True)
     prefix = None
     if cache is not None and cache.prefix_enabled:
-        prefix = open_prefix_cache(cache, config, source, f"{choice.name}@{choice.device}", tokenizer, scheme)
+        prefix = open_prefix_cache(cache, config, source, tokenizer, scheme)
     runner = ModelRunner(model, scheme, swap_dir, prefix)
     return LoadedModel(runner=runner, tokenizer=tokenizer, info=info)
 
 
-def _weight_memo(config: ModelConfig, source, blas: str) -> Path:
-    """Where the measured weight format of this model under this BLAS is kept."""
-    import hashlib
-
-    from kvserve.cache.prefix import model_fingerprint
-
-    key = hashlib.sha256(f"{model_fingerprint(source)}|{blas}".encode()).hexdigest()[:16]
-    return config.resolved_cache_dir() / "weight-format" / f"{key}.json"
-
-
-def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, weights: str, tokenizer,
-                      scheme: KVScheme):
-    """The prefix cache of this model, tokenizer and scheme. Its files go to one directory
-    per namespace (the weight format is part of the model: it changes every K/V value)."""
+def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer, scheme: KVScheme):
+    """The prefix cache of this model, tokenizer and scheme, its files in one directory per
+    namespace. The weight format measured at start-up is no part of the namespace: every
+    format computes with the same weight values (dense f32 is the exact dequantization of the
+    stored ones), so K/V computed under one differ from another's by float rounding only, as
+    a batched row's do from a lone one's; and the measurement may pick another format after
+    a restart."""
     from kvserve.cache.prefix import Namespace, PrefixCache, model_fingerprint, tokenizer_hash
 
-    ns = Namespace(model=model_fingerprint(source, extra=weights), tokenizer=tokenizer_hash(tokenizer),
+    ns = Namespace(model=model_fingerprint(source), tokenizer=tokenizer_hash(tokenizer),
                    scheme=scheme)
     disk_dir = None
     if cache.prompt_cache_disk_gb > 0:

@@ -16,12 +16,10 @@ GPU kernels are built for.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
@@ -81,38 +79,6 @@ def choose_weight_format(model: nn.Module, format: str = "auto", budget_s: float
     timings = _measure(model, candidates, budget_s)
     best = min(timings, key=lambda n: timings[n]["decode"] + timings[n]["prefill"])
     return WeightChoice(best, "fastest measured", timings, device)
-
-
-def remembered_weight_format(model: nn.Module, format: str, memo: Path) -> WeightChoice:
-    """``choose_weight_format``, with an "auto" measurement kept in ``memo`` (JSON) and
-    reused by later start-ups of the same model and BLAS: a choice that flips with machine
-    load would change every K/V value and orphan the prompt cache files of the last run.
-
-        >>> import tempfile
-        >>> memo = Path(tempfile.mkdtemp()) / "m.json"
-        >>> _ = memo.write_text('{"name": "as-loaded", "timings": {}}')
-        >>> remembered_weight_format(nn.Linear(4, 4), "auto", memo).name
-        'as-loaded'
-    """
-    if format != "auto":
-        return choose_weight_format(model, format)
-    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-    try:
-        kept = json.loads(memo.read_text())
-        if kept["name"] == AS_LOADED or kept["name"] in _candidates(model):
-            return WeightChoice(kept["name"], f"measured at an earlier start-up, kept in {memo}",
-                                kept.get("timings", {}), device)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # none kept yet, or unreadable: measure again
-    choice = choose_weight_format(model, "auto")
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"name": choice.name, "timings": choice.timings}))
-        os.replace(tmp, memo)
-    except OSError:
-        pass  # a read-only cache: measure at every start-up
-    return choice
 
 
 def apply_weight_format(model: nn.Module, choice: WeightChoice | str) -> nn.Module:
