@@ -60,7 +60,7 @@ def make_prompts(model_dir: Path | None, n: int, tokens: int) -> list[str]:
             for i in range(n)]
 
 
-def _default_model_dir() -> Path:
+def default_model_dir() -> Path:
     from kvserve.configs import ModelConfig
     from kvserve.server.engine.model_source import resolve_model
 
@@ -158,7 +158,7 @@ def main(argv: list[str]) -> int:
             print("kvserve bench: give --url or at least one --target", file=sys.stderr)
             return 2
         targets = [Target.parse(t) for t in args.target]
-        model_dir = Path(args.model) if args.model else _default_model_dir()
+        model_dir = Path(args.model) if args.model else default_model_dir()
         prompts = make_prompts(model_dir, args.requests, args.prompt_tokens)
         rows = [bench_target(t, model_dir, args, prompts) for t in targets]
         if args.overhead:

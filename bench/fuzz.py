@@ -23,7 +23,6 @@ or, to start a server on the default model itself:
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 import time
@@ -156,11 +155,12 @@ def _start_server(model: str | None, log):
     positive cases, which really sample, take seconds rather than minutes."""
     import tempfile
 
-    from kvserve.bench.soak import start_server
+    from kvserve.bench.targets import Running, Target
 
     config = Path(tempfile.mkdtemp(prefix="kvserve-fuzz-")) / "fuzz.toml"
     config.write_text("[engine]\nmax_tokens = 16\nmax_tokens_limit = 64\n")
-    return start_server(["--config", str(config), *(["--model", model] if model else [])], log)
+    log(f"starting kvserve serve --config {config}")
+    return Running(Target("kvserve", ("--config", str(config))), model, timeout=900)
 
 
 def main(argv: list[str] | None = None) -> int:

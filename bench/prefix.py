@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.bench.cli import _default_model_dir, machine, make_prompts
+from kvserve.bench.cli import default_model_dir, machine, make_prompts
 from kvserve.bench.load import chat_bodies
 from kvserve.bench.targets import Running, Target
 
@@ -127,7 +127,7 @@ def render(rows: list[dict], args, model_dir: Path, argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    model_dir = Path(args.model) if args.model else _default_model_dir()
+    model_dir = Path(args.model) if args.model else default_model_dir()
     prompt = make_prompts(model_dir, 1, args.prompt_tokens)[0]
     opening = make_prompts(model_dir, 2, 400)[1]
     with tempfile.TemporaryDirectory(prefix="kvserve-prefix-bench-") as cache:

@@ -23,8 +23,6 @@ import json
 import os
 import random
 import shlex
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -33,58 +31,12 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.bench.targets import Running, Target
+
 PROMPTS = ["Tell me a story about a lighthouse.", "Explain how bread rises.",
            "List five facts about the moon.", "Write a short poem about winter.",
            "What is a prime number?", "Describe a busy train station.",
            "How do bees make honey?", "Give advice for a first job interview."]
-
-
-class ServerHandle:
-    """``kvserve serve`` in a subprocess on a free loopback port."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {**os.environ, "KVSERVE_BLAS_THREADS": os.environ.get("KVSERVE_BLAS_THREADS", "1")}
-        cmd = [sys.executable, "-m", "kvserve.server.cli", "serve", "--port", str(self.port),
-               "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_ready(self, timeout: float = 900) -> "ServerHandle":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: see {self.log_path}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout} s: see {self.log_path}")
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_server(args: list[str], log) -> ServerHandle:
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvserve-bench-{os.getpid()}.log"
-    log(f"starting kvserve serve {' '.join(args)} (log: {path})")
-    return ServerHandle(args, path).wait_ready()
 
 
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:
@@ -283,12 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     serve_args = ["--kv-scheme", args.kv_scheme, *(["--model", args.model] if args.model else []),
                   *shlex.split(args.serve_args)]
-    server = start_server(serve_args, log)
+    os.environ.setdefault("KVSERVE_BLAS_THREADS", "1")  # the server shares 2 cores with the clients
+    log(f"starting kvserve serve {' '.join(serve_args)}")
+    server = Running(Target("kvserve", tuple(serve_args)), None, timeout=900)
     try:
         result = soak(server.base_url, server.pid, args.minutes, args.streams, args.abort_rate,
                       args.hang_s, args.sample_s, args.seed, log)
     finally:
-        code = server.stop()
+        code = server.stop(timeout=60)
     text, ok = report(result, args, code)
     print(text)
     if args.out:

@@ -42,11 +42,13 @@ class Target:
         name = "kvserve serve" if self.kind == "kvserve" else "mlx_lm.server"
         return " ".join([name, *self.args])
 
-    def command(self, model_dir: Path, port: int) -> list[str]:
+    def command(self, model_dir: Path | None, port: int) -> list[str]:
+        """The server's command line; without ``model_dir`` kvserve serves its default model."""
+        model = ["--model", str(model_dir)] if model_dir is not None else []
         if self.kind == "kvserve":
-            return [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", str(model_dir),
+            return [sys.executable, "-m", "kvserve.server.cli", "serve", *model,
                     "--port", str(port), "--log-level", "warning", *self.args]
-        return [sys.executable, "-m", "kvserve.bench.mlx_lm_peer", "--model", str(model_dir),
+        return [sys.executable, "-m", "kvserve.bench.mlx_lm_peer", *model,
                 "--port", str(port), "--log-level", "WARNING", *self.args]
 
 
@@ -59,7 +61,7 @@ def free_port() -> int:
 class Running:
     """A started target; ``stop`` ends it (SIGTERM, then SIGKILL after a grace period)."""
 
-    def __init__(self, target: Target, model_dir: Path, timeout: float = 600.0):
+    def __init__(self, target: Target, model_dir: Path | None, timeout: float = 600.0):
         self.target = target
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -83,6 +85,10 @@ class Running:
         raise TimeoutError(f"{self.target.label} did not answer within {timeout:.0f} s")
 
     @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
     def model_name(self) -> str:
         """What requests put in ``model`` to reach the model the target was started with."""
         return "default" if self.target.kind == "kvserve" else "default_model"
@@ -91,12 +97,14 @@ class Running:
         self.log.seek(0)
         return self.log.read()[-4000:]
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        return self.proc.returncode

@@ -97,6 +97,14 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
     })
 
 
+# The HTTP parser's own limit on an unfinished request head, as a multiple of the 431 limit.
+# The guard answers heads over max_header_bytes with an OpenAI-shaped 431 once they are
+# parsed; a parser limit at the same size raced it (depending on how the head arrived, the
+# parser cut the connection first with a plain reply or a reset), so the parser only stops
+# heads far past the limit (and slow drips of them).
+PARSER_HEAD_FACTOR = 16
+
+
 def _progress(line: str) -> None:
     print(f"kvserve: {line}", file=sys.stderr, flush=True)
 
@@ -131,7 +139,7 @@ def serve(config: ServerConfig) -> int:
     gate = Gate()
     uv_config = uvicorn.Config(create_app(engine, config.http, gate), host=config.http.host,
                                port=config.http.port, log_level=config.http.log_level,
-                               h11_max_incomplete_event_size=config.http.max_header_bytes)
+                               h11_max_incomplete_event_size=PARSER_HEAD_FACTOR * config.http.max_header_bytes)
     try:
         _draining_server(uvicorn.Server)(uv_config, engine, gate, config.http.drain_timeout_s).run()
     finally:

@@ -11,22 +11,10 @@ import pytest
 from servers import ServerProcess
 from together import together
 
+from kvserve.bench.soak import metrics, rss_bytes
+
 BODY = {"model": "default", "messages": [{"role": "user", "content": "Tell me a story."}],
         "max_tokens": 200, "stream": True, "temperature": 0.7}
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-def metric(base_url: str, name: str) -> float:
-    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
-        if line.startswith(name):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def leave_after_tokens(base_url: str, tokens: int) -> int:
@@ -67,8 +55,8 @@ def test_two_hundred_aborted_streams_leave_no_kv_bytes_and_rss_at_baseline(tiny_
         seen = abort_streams(base, 200)
         assert min(seen) >= 2  # every stream was cut mid-generation, not at its end
         wait_idle(base)
-        assert metric(base, 'kvserve_requests_finished_total{reason="abort"}') >= 224
-        assert metric(base, 'kvserve_kv_cache_bytes{kv_scheme="turbo0v4"}') == 0
+        assert metrics(base)['kvserve_requests_finished_total{reason="abort"}'] >= 224
+        assert metrics(base)['kvserve_kv_cache_bytes{kv_scheme="turbo0v4"}'] == 0
         after = rss_bytes(proc.proc.pid)
         print(f"RSS baseline {baseline / 2**20:.1f} MiB, after 200 aborts {after / 2**20:.1f} MiB")
         assert after <= baseline * 1.05, (baseline, after)

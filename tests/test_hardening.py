@@ -18,6 +18,8 @@ import pytest
 from malformed_corpus import ANY, CORPUS, Case
 from servers import ServerProcess
 
+from kvserve.bench.soak import metrics
+
 ERROR_KEYS = {"message", "type", "param", "code"}
 KEY = "sk-test-0123456789"
 
@@ -324,17 +326,11 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_work(tiny_mod
     # writer; stopping the engine flushed them, so a restart finds all of them on disk.
     again = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path)).wait_ready()
     try:
-        values = metric_values(again.base_url)
+        values = metrics(again.base_url)
     finally:
         assert again.stop() == 0
     disk = [v for k, v in values.items() if k.startswith("kvserve_prefix_cache_disk_entries")]
     assert disk and disk[0] >= 8, values
-
-
-def metric_values(base_url: str) -> dict[str, float]:
-    lines = httpx.get(f"{base_url}/metrics").text.splitlines()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines
-            if line and not line.startswith("#")}
 
 
 def test_drain_timeout_aborts_what_is_left_with_a_finish_reason(tiny_model_dir, tmp_path):

@@ -12,6 +12,8 @@ import pytest
 from together import together
 from servers import ServerProcess
 
+from kvserve.bench.soak import metrics
+
 CHAT = [{"role": "user", "content": "Say something."}]
 
 
@@ -267,13 +269,7 @@ def test_logit_bias_forces_a_token(client, model_id):
 
 
 def metric_values(server) -> dict[str, float]:
-    text = httpx.get(f"{server.base_url}/metrics").text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return metrics(server.base_url)
 
 
 def test_metrics_in_prometheus_text_format(server, client, model_id):

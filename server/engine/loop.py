@@ -151,7 +151,7 @@ class Engine:
             self.metrics.step.observe(time.monotonic() - started)
             self.scheduler.commit(result)
             self._emit(result)
-            self._observe(plan)
+            self._observe(plan, result)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued commands; returns True when asked to stop."""
@@ -233,10 +233,10 @@ class Engine:
             if request.request_id in self._live:
                 self._finish(request, FinishReason.ERROR, "", error=message)
 
-    def _observe(self, plan: StepPlan) -> None:
+    def _observe(self, plan: StepPlan, result: StepResult) -> None:
         """Gauges and counters after a step (read by ``GET /metrics``)."""
         m, runner = self.metrics, self.model.runner
-        m.prompt_tokens += sum(c.num_tokens for c in plan.prefill)
+        m.prompt_tokens += sum(result.prefilled.values()) - sum(result.cached.values())
         m.preemptions += len(plan.swap_out)
         m.waiting, m.running = len(self.scheduler.waiting), len(self.scheduler.running)
         m.kv_bytes, m.swapped = runner.kv_bytes, runner.swapped_requests
@@ -245,6 +245,6 @@ class Engine:
 
     def _observe_idle(self) -> None:
         if self.metrics.running or self.metrics.kv_bytes:
-            self._observe(StepPlan())
+            self._observe(StepPlan(), StepResult())
         if not self.scheduler.has_work:
             self.model.runner.idle()

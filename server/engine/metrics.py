@@ -103,48 +103,56 @@ class EngineMetrics:
     def render(self) -> str:
         """The whole exposition."""
         scheme = {"kv_scheme": self.kv_scheme}
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help: str, value: float, labels: dict[str, str] | None = None):
-            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}",
-                          f"{name}{_labels(labels or {})} {_num(value)}"])
-
-        metric("kvserve_requests_waiting", "gauge", "Requests queued, not yet running.", self.waiting)
-        metric("kvserve_requests_running", "gauge", "Requests prefilling or decoding.", self.running)
-        metric("kvserve_requests_swapped", "gauge", "Preempted requests whose cache is on disk.", self.swapped)
-        metric("kvserve_kv_cache_bytes", "gauge", "Bytes allocated by the KV caches of live requests.",
-               self.kv_bytes, scheme)
-        metric("kvserve_prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.prompt_tokens)
-        metric("kvserve_generation_tokens_total", "counter", "Tokens generated.", self.generated_tokens)
-        metric("kvserve_preemptions_total", "counter", "Requests swapped out for KV memory.", self.preemptions)
-        lines += ["# HELP kvserve_requests_finished_total Finished requests by finish reason.",
-                  "# TYPE kvserve_requests_finished_total counter"]
-        for reason in ("stop", "length", "abort", "error"):
-            lines.append(f'kvserve_requests_finished_total{{reason="{reason}"}} {self.finished[reason]}')
+        lines = [
+            *_metric("kvserve_requests_waiting", "gauge", "Requests queued, not yet running.", self.waiting),
+            *_metric("kvserve_requests_running", "gauge", "Requests prefilling or decoding.", self.running),
+            *_metric("kvserve_requests_swapped", "gauge", "Preempted requests whose cache is on disk.",
+                     self.swapped),
+            *_metric("kvserve_kv_cache_bytes", "gauge", "Bytes allocated by the KV caches of live requests.",
+                     self.kv_bytes, scheme),
+            *_metric("kvserve_prompt_tokens_total", "counter", "Prompt tokens computed (cached ones not).",
+                     self.prompt_tokens),
+            *_metric("kvserve_generation_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
+            *_metric("kvserve_preemptions_total", "counter", "Requests swapped out for KV memory.",
+                     self.preemptions),
+            *_by_label("kvserve_requests_finished_total", "Finished requests by finish reason.", "reason",
+                       {r: self.finished[r] for r in ("stop", "length", "abort", "error")}),
+        ]
         for hist in (self.ttft, self.itl, self.e2e, self.step):
             lines += hist.render(scheme)
         if self.prefix is not None:
-            lines += self._prefix_lines(scheme, metric)
+            lines += _prefix_lines(self.prefix, scheme)
         return "\n".join(lines) + "\n"
 
-    def _prefix_lines(self, scheme: dict[str, str], metric) -> list[str]:
-        p, lines = self.prefix, []
-        metric("kvserve_prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix.", p["hits"], scheme)
-        metric("kvserve_prefix_cache_misses_total", "counter", "Prompts with no cached prefix.", p["misses"], scheme)
-        metric("kvserve_prefix_cache_hit_tokens_total", "counter", "Prompt tokens reused.", p["hit_tokens"], scheme)
-        metric("kvserve_prefix_cache_disk_hits_total", "counter", "Hits read from the SSD tier.",
-               p["disk_hits"], scheme)
-        for tier in ("ram", "disk"):
-            metric(f"kvserve_prefix_cache_{tier}_bytes", "gauge", f"Bytes held by the {tier} tier.",
-                   p[f"{tier}_bytes"], scheme)
-            metric(f"kvserve_prefix_cache_{tier}_entries", "gauge", f"Entries in the {tier} tier.",
-                   p[f"{tier}_entries"], scheme)
-        metric("kvserve_prefix_cache_dropped_writes_total", "counter",
-               "Spills dropped because the writer queue was full.", p["dropped_spills"], scheme)
-        metric("kvserve_prefix_cache_write_errors_total", "counter", "Failed disk writes.",
-               p["write_errors"], scheme)
-        lines += ["# HELP kvserve_prefix_cache_refused_files_total Cache files refused, by reason.",
-                  "# TYPE kvserve_prefix_cache_refused_files_total counter"]
-        for reason, n in sorted(p["refused"].items()):
-            lines.append(f'kvserve_prefix_cache_refused_files_total{{reason="{reason}"}} {n}')
-        return lines
+
+def _metric(name: str, kind: str, help: str, value: float, labels: dict[str, str] | None = None) -> list[str]:
+    return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name}{_labels(labels or {})} {_num(value)}"]
+
+
+def _by_label(name: str, help: str, label: str, values: dict[str, float]) -> list[str]:
+    """One counter with one sample per value of ``label``."""
+    return [f"# HELP {name} {help}", f"# TYPE {name} counter",
+            *(f"{name}{_labels({label: key})} {_num(v)}" for key, v in values.items())]
+
+
+def _prefix_lines(p: dict, scheme: dict[str, str]) -> list[str]:
+    """The prefix cache's counters and sizes (``PrefixCache.stats()``)."""
+    lines = [*_metric("kvserve_prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix.",
+                      p["hits"], scheme),
+             *_metric("kvserve_prefix_cache_misses_total", "counter", "Prompts with no cached prefix.",
+                      p["misses"], scheme),
+             *_metric("kvserve_prefix_cache_hit_tokens_total", "counter", "Prompt tokens reused.",
+                      p["hit_tokens"], scheme),
+             *_metric("kvserve_prefix_cache_disk_hits_total", "counter", "Hits read from the SSD tier.",
+                      p["disk_hits"], scheme)]
+    for tier in ("ram", "disk"):
+        lines += _metric(f"kvserve_prefix_cache_{tier}_bytes", "gauge", f"Bytes held by the {tier} tier.",
+                         p[f"{tier}_bytes"], scheme)
+        lines += _metric(f"kvserve_prefix_cache_{tier}_entries", "gauge", f"Entries in the {tier} tier.",
+                         p[f"{tier}_entries"], scheme)
+    lines += _metric("kvserve_prefix_cache_dropped_writes_total", "counter",
+                     "Spills dropped because the writer queue was full.", p["dropped_spills"], scheme)
+    lines += _metric("kvserve_prefix_cache_write_errors_total", "counter", "Failed disk writes.",
+                     p["write_errors"], scheme)
+    return lines + _by_label("kvserve_prefix_cache_refused_files_total", "Cache files refused, by reason.",
+                             "reason", dict(sorted(p["refused"].items())))

@@ -97,9 +97,8 @@ def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer
                    scheme=scheme)
     disk_dir = None
     if cache.prompt_cache_disk_gb > 0:
-        root = Path(cache.prompt_cache_dir).expanduser() if cache.prompt_cache_dir \
+        disk_dir = Path(cache.prompt_cache_dir).expanduser() if cache.prompt_cache_dir \
             else config.resolved_cache_dir() / "prompt-cache" / ns.key
-        disk_dir = root
     prefix = PrefixCache(ns, ram_bytes=int(cache.prompt_cache_ram_gb * 2**30), disk_dir=disk_dir,
                          disk_bytes=int(cache.prompt_cache_disk_gb * 2**30))
     stats = prefix.stats()

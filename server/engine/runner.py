@@ -218,7 +218,7 @@ class ModelRunner:
             mx.eval(cache.state)
             return {}, hit + n
         logits = last_logits(self.model, tokens, cache)  # (1, V)
-        self._complete(request.request_id, request.prompt_tokens, cache)
+        self._complete(cache, [request])
         forks = [f for f in request.forks if not f.finished]  # an aborted choice stays out
         group = [request, *forks]
         for fork in forks:  # one object: the join's merge copies it into each row
@@ -232,12 +232,15 @@ class ModelRunner:
             self._tokens[fork.request_id] = list(request.prompt_tokens)
         return dict(zip(ids, picks)), hit + n
 
-    def _complete(self, request_id: str, prompt: list[int], cache: PromptCache) -> None:
-        """The prompt is in: convert the raw prefill to the scheme, offer it for reuse."""
+    def _complete(self, cache: PromptCache, requests: list[Request]) -> None:
+        """Their prompts are in (row i of ``cache`` holds request i's): convert the raw
+        prefill to the scheme and offer each prompt for reuse."""
         cache.convert()
         cache.quantize_after = 0  # every token is in the scheme now, as if it started there
         if self.prefix is not None:
-            self._offer(request_id, prompt, cache)
+            for i, r in enumerate(requests):
+                row = cache.extract(i) if cache.is_batch else cache
+                self._offer(r.request_id, r.prompt_tokens, row)
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> dict[str, Pick]:
         """Whole prompts in one left-padded forward (a larger matmul per weight read than
@@ -253,19 +256,11 @@ class ModelRunner:
         cache.prepare(left_padding=padding)
         tokens = mx.array([[0] * pad + r.prompt_tokens for r, pad in zip(requests, padding)])  # (B, L)
         logits = last_logits(self.model, tokens, cache)  # (B, V)
-        cache.convert()
-        cache.quantize_after = 0
-        if self.prefix is not None:
-            for i, r in enumerate(requests):
-                self._offer(r.request_id, r.prompt_tokens, cache.extract(i))
+        self._complete(cache, requests)
         ids = [r.request_id for r in requests]
         picks = sample_rows([self._samplers[r] for r in ids], logits)
         self._last.update((r, p.token) for r, p in zip(ids, picks))
-        if self._batch is None:
-            self._batch = cache
-        else:
-            self._batch.extend(cache)
-        self._rows.extend(ids)
+        self._add_rows(cache, ids)
         return dict(zip(ids, picks))
 
     def _single_cache(self, request: Request) -> PromptCache:
@@ -310,11 +305,14 @@ class ModelRunner:
         """Move B = 1 caches into the decode batch as new rows (one merge, one extend)."""
         if not request_ids:
             return
-        joining = PromptCache.merge([self._single.pop(r) for r in request_ids])
+        self._add_rows(PromptCache.merge([self._single.pop(r) for r in request_ids]), request_ids)
+
+    def _add_rows(self, batch: PromptCache, request_ids: list[str]) -> None:
+        """Append a batch container's rows (one per request id) to the decode batch."""
         if self._batch is None:
-            self._batch = joining
+            self._batch = batch
         else:
-            self._batch.extend(joining)
+            self._batch.extend(batch)
         self._rows.extend(request_ids)
 
     def _park(self, request_ids: list[str]) -> None:

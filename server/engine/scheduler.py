@@ -110,7 +110,6 @@ class Scheduler:
         self.max_kv_tokens = max_kv_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -215,7 +214,6 @@ class Scheduler:
             self.running.remove(victim)
             victim.swapped = True
             victims.append(victim)
-            self.num_preemptions += 1
         for victim in reversed(victims):  # the earliest admitted resumes first
             self.waiting.appendleft(victim)
         return tuple(victims)
@@ -224,10 +222,7 @@ class Scheduler:
         if self.max_kv_tokens is None:
             return 1 << 62
         reserved = sum(r.prefill_remaining * len(r.forks) for r in self.running)
-        return self.max_kv_tokens - self._cached() - reserved
-
-    def _cached(self) -> int:
-        return sum(r.num_cached for r in self.running)
+        return self.max_kv_tokens - sum(r.num_cached for r in self.running) - reserved
 
     def _held(self) -> int:
         """KV tokens the running requests hold or have reserved (whole prompts of forks)."""

@@ -6,7 +6,7 @@ Everything here answers before FastAPI parses anything, in the OpenAI error shap
   (every route but ``GET /health`` and CORS preflights; compared in constant time, on the raw
   ASGI path the router also uses, so no rebuilt URL or Host header can route around it);
 - 431 ``headers_too_large`` for a request line and headers over the limit (the HTTP parser
-  also stops a slow drip of headers at the same size);
+  itself stops heads, slow drips included, at 16 times that size);
 - 413 ``body_too_large`` for a body over the limit, declared or streamed;
 - 400 for a body that is not strict JSON: ``NaN``/``Infinity``, invalid UTF-8, lone
   surrogates (``"\\ud800"``), nesting deeper than ``MAX_JSON_DEPTH``, or a non-object;
