@@ -122,6 +122,9 @@ def main(argv=None) -> int:
                      "max_abs_diff": f"error: {str(exc)[:200]}", "ok": False}
             lines.append("| " + " | ".join(_fmt(r[c]) for c in head) + " |")
             print(lines[-1], flush=True)
+            if args.out:  # case by case, so a run cut short still leaves its rows
+                with open(args.out, "a") as fh:
+                    fh.write(lines[-1] + "\n")
             fam = summary.setdefault(name, [0, 0, 0.0, family_of(s, D)])
             fam[0] += r["ok"]
             fam[1] += 1
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
     report = "\n".join([f"device: {mx.default_device()}, mlx {mx.__version__}", ""] + out + [""]
                        + lines)
     print("\n".join(out))
-    if args.out:
+    if args.out:  # the whole report replaces the rows written along the way
         with open(args.out, "w") as fh:
             fh.write(report + "\n")
     return 0 if all(ok == n for ok, n, _, _ in summary.values()) else 1

@@ -2,9 +2,11 @@
 
 ``--streams`` client threads (default 8) each send streaming chat completions back to back;
 a share of them (``--abort-rate``) hang up after a random number of tokens. Every
-``--sample-s`` seconds the server's RSS (from ``/proc``) and KV bytes (from ``/metrics``)
-are recorded. At the end the clients stop, the server must drain to zero requests and zero
-KV bytes, and it is stopped with SIGTERM (exit code 0 expected).
+``--sample-s`` seconds the server's RSS (from ``/proc``) is recorded next to what
+``/metrics`` says holds memory: KV bytes, the prefix cache's RAM tier, MLX's buffers in use
+and in its buffer cache, and the bytes malloc holds free in its arenas. At the end the
+clients stop, the server must drain to zero requests and zero KV bytes, and it is stopped
+with SIGTERM (exit code 0 expected).
 
 Reported: requests completed / aborted / failed, hung requests (no byte for ``--hang-s``
 seconds), RSS growth after the warm-up, KV bytes when idle, and a table over time.
@@ -63,6 +65,20 @@ def kv_bytes(values: dict[str, float]) -> float:
 
 def prefix_ram_bytes(values: dict[str, float]) -> float:
     return sum(v for k, v in values.items() if k.startswith("kvserve_prefix_cache_ram_bytes"))
+
+
+# Sample columns read from /metrics, in MiB (a gauge the server does not report reads 0).
+MEMORY_GAUGES = {"mlx_active_mib": "kvserve_mlx_active_memory_bytes",
+                 "mlx_cache_mib": "kvserve_mlx_cache_memory_bytes",
+                 "heap_free_mib": "kvserve_heap_free_bytes"}
+
+
+def memory_mib(values: dict[str, float]) -> dict[str, float]:
+    """
+    >>> memory_mib({"kvserve_mlx_cache_memory_bytes": 2**25})["mlx_cache_mib"]
+    32.0
+    """
+    return {column: values.get(name, 0.0) / 2**20 for column, name in MEMORY_GAUGES.items()}
 
 
 def warm_index(prefix_mib: list[float], fraction: float) -> int:
@@ -153,6 +169,7 @@ def soak(base_url: str, pid: int, minutes: float, streams: int, abort_rate: floa
         values = metrics(base_url)
         sample = {"t_s": round(time.monotonic() - started), "rss_mib": rss_bytes(pid) / 2**20,
                   "anon_mib": rss_bytes(pid, "RssAnon") / 2**20, "file_mib": rss_bytes(pid, "RssFile") / 2**20,
+                  **memory_mib(values),
                   "kv_mib": kv_bytes(values) / 2**20, "prefix_mib": prefix_ram_bytes(values) / 2**20,
                   "running": values.get("kvserve_requests_running", 0),
                   "completed": tally.completed, "aborted": tally.aborted,
@@ -186,7 +203,13 @@ def report(result: dict, args, exit_code: int) -> tuple[str, bool]:
     ok = (not tally.hung and not tally.failed and idle["kv_bytes"] == 0 and idle["inflight"] == 0
           and growth < 5.0 and exit_code == 0)
     step = max(1, len(samples) // 20)
+
+    def spread(column: str) -> str:
+        values = [s[column] for s in samples[warm:]]
+        return f"{min(values):.1f} -> {max(values):.1f}"
+
     rows = "\n".join(f"| {s['t_s']} | {s['rss_mib']:.1f} | {s['anon_mib']:.1f} | {s['file_mib']:.1f} | "
+                     f"{s['mlx_active_mib']:.1f} | {s['mlx_cache_mib']:.1f} | {s['heap_free_mib']:.1f} | "
                      f"{s['kv_mib']:.2f} | {s['prefix_mib']:.0f} | "
                      f"{s['running']:.0f} | "
                      f"{s['completed']} | {s['aborted']} | {s['failed']} | {s['hung']} |"
@@ -202,13 +225,16 @@ max_tokens 16-160, temperature 0.8, model `{args.model or 'default'}`, KV scheme
   anonymous memory {samples[warm]['anon_mib']:.1f} -> {max(s['anon_mib'] for s in samples[warm:]):.1f} MiB
   (**{growth_pct([s['anon_mib'] for s in samples], warm):+.2f}%**), mapped files
   {samples[warm]['file_mib']:.1f} -> {max(s['file_mib'] for s in samples[warm:]):.1f} MiB
+- after the warm-up sample, smallest -> largest: {spread('mlx_active_mib')} MiB of MLX buffers in use,
+  {spread('mlx_cache_mib')} MiB in MLX's buffer cache, {spread('heap_free_mib')} MiB free in malloc's arenas,
+  {spread('kv_mib')} MiB of live KV caches
 - idle after the clients stopped: {idle['inflight']} in flight, **{idle['kv_bytes']:.0f} KV bytes**,
   {idle['running']:.0f} running, {idle['waiting']:.0f} waiting
 - server exit code after SIGTERM: {exit_code}
 - verdict: **{'pass' if ok else 'FAIL'}** (0 hung, 0 failed, 0 KV bytes idle, RSS growth < 5%, exit 0)
 
-| t (s) | RSS (MiB) | anon | file | KV (MiB) | prefix cache RAM (MiB) | running | completed | aborted | failed | hung |
-| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+| t (s) | RSS (MiB) | anon | file | MLX active | MLX cache | heap free | KV (MiB) | prefix cache RAM (MiB) | running | completed | aborted | failed | hung |
+| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
 {rows}
 """
     for line in (tally.failed + tally.hung)[:10]:

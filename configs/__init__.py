@@ -60,6 +60,9 @@ class EngineConfig:
     # KV tokens all live requests may hold together; past it the latest decoding request is
     # preempted (its cache swapped to disk) until room returns. None: no bound.
     max_kv_tokens: int | None = None
+    # Seconds a request may wait in the queue before it is answered with a queue_timeout
+    # error (a client would rather retry elsewhere than wait on); 0: no limit.
+    queue_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_tokens <= self.max_tokens_limit,
@@ -74,6 +77,7 @@ class EngineConfig:
                  "engine.max_step_tokens must be >= engine.max_batch_size")
         _require(self.max_kv_tokens is None or self.max_kv_tokens >= 1,
                  "engine.max_kv_tokens must be >= 1")
+        _require(self.queue_timeout_s >= 0, "engine.queue_timeout_s must be >= 0 (0: no limit)")
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,9 @@ class HTTPConfig:
     max_header_bytes: int = 16 << 10  # the request line and headers together (HTTP parser)
     # SIGTERM: how long in-flight requests may run on before they are aborted.
     drain_timeout_s: float = 30.0
+    # A stream with nothing to send (queued, or a long prefill) gets an SSE comment this
+    # often, so proxies that close idle connections (often after 30-60 s) keep it open.
+    sse_keepalive_s: float = 15.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"http.port must be in 0..65535, got {self.port}")
@@ -119,6 +126,7 @@ class HTTPConfig:
         _require(self.max_body_bytes >= 1024, "http.max_body_bytes must be >= 1024")
         _require(self.max_header_bytes >= 1024, "http.max_header_bytes must be >= 1024")
         _require(self.drain_timeout_s >= 0, "http.drain_timeout_s must be >= 0")
+        _require(self.sse_keepalive_s > 0, "http.sse_keepalive_s must be > 0")
 
 
 @dataclass(frozen=True)

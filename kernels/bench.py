@@ -106,7 +106,7 @@ def machine() -> dict:
 
 def table(results: dict) -> str:
     """Markdown table of ``run_all``'s result."""
-    cols = ("T", "name", "dispatch", "ms", "kv_MiB", "GB_s", "peak_MiB", "extra_MiB",
+    cols = ("T", "name", "dispatch", "ms", "build_ms", "kv_MiB", "GB_s", "peak_MiB", "extra_MiB",
             "max_abs_diff")
     lines = [f"machine: {results['machine']}", f"copy bandwidth: {results['copy_GB_s']} GB/s", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -5,15 +5,20 @@
 affine-8 or turbo keys; turbo values) at head_dim 64, 128 or 256. Anything else (other
 formats, L > 16, other head dims) goes to the blockwise reference.
 
-One call = two kernels (``kvserve.kernels.cuda_source`` has the device code):
+One call = two kernels:
 
     split pass   (row tiles, S splits, B * H_kv) blocks, each over ~T / S tokens, writes
                  o_part (S, B*H_kv, R*L, D) f32 and ml_part (S, B*H_kv, R*L, 2) f32 (max, sum)
     merge        out (B, H_q, L, D): the splits' partial softmaxes combined
 
-Worked example: B=8, 32 query heads over 8 KV heads (R=4), D=128, L=1, T=32768. The 4
-query rows of a KV head fit one row tile (RB=4); 64 (b, h) pairs x 32 splits = 2048
-blocks of 1024 tokens (8 tiles of 128). Each block reads its tokens' K/V once.
+The split pass is the tensor-core pass (``kvserve.kernels.cuda_mma_source``) for f16 / bf16
+queries over affine, mxfp4 or raw keys and affine, mxfp4 or turbo values, and the f32 pass
+(``kvserve.kernels.cuda_source``) otherwise: f32 queries, turbo keys.
+
+Worked example: B=8, 32 query heads over 8 KV heads (R=4), D=128, L=1, T=32768, f16. The 4
+query rows of a KV head fit one 8-row tile; 64 (b, h) pairs x 4 splits = 256 blocks of 2
+warps, each warp walking steps of 16 tokens (``mma_plan``). Each block reads its tokens' K/V
+once.
 
 Turbo keys score against rotated queries (``prepare_queries``, a small MLX matmul before
 the kernel); turbo values are accumulated in their rotated basis and un-rotated once after
@@ -36,6 +41,7 @@ from kvserve.kernels.cuda_source import (
     TT,
     split_source,
 )
+from kvserve.kernels.cuda_mma_source import MMA_HEADER, mma_source
 from kvserve.kernels.reference import attend_blockwise
 
 HEAD_DIMS = (64, 128, 256)
@@ -45,6 +51,14 @@ MAX_RB = 8  # query rows per block: the value accumulator is RB x 8 registers pe
 # ~5 waves; on an H200 at T=32K affine4 took 0.419 ms with 2048 against 0.433 with 1024.
 TARGET_BLOCKS = 2048
 V_BATCH = 8  # value-slice loads a thread issues before using the first (16 measured slower)
+# The tensor-core pass: blocks to aim for, warps per block, 16-token tiles per warp step
+# (``mma_plan``). On an H100 at T=32K (B=8, 8 KV heads) every mix of 64-1024 blocks, 1-8
+# warps and 1-2 tiles measured within ~10% of the best for affine4 except the largest
+# (more blocks and warps were slower, not faster); 256 x 2 x 1 was among the best for
+# affine4, turbo0v4 and turbo8v3 alike.
+MMA_TARGET_BLOCKS = 256
+MMA_WARPS = 2
+MMA_STEP_TILES = 1
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y / gridDim.z (splits / B * H_kv)
 MAX_ELEMS = (1 << 31) - 1  # MLX passes grid sizes as int: the merge launches B*H_q*L*D threads
 F32 = mx.float32
@@ -202,6 +216,21 @@ def _split_kernel(key: Layout, value: Layout, mask: int):
 
 
 @functools.cache
+def _mma_kernel(key: Layout, value: Layout, mask: int, kfast: bool, vfast: bool):
+    names = ["q", "sc"] + [f"k{i}" for i in range(key.n_parts)] + \
+        [f"v{i}" for i in range(value.n_parts)]
+    names += ["mask"] * (mask >= 2) + ["vlut_in"] * (value.kind == "turbo")
+    tag = f"{key.kind}{key.bits}g{key.group}_{value.kind}{value.bits}g{value.group}_m{mask}"
+    tag += f"_f{int(kfast)}{int(vfast)}"
+    source = mma_source(key, value, mask, kfast, vfast)
+    header = HEADER + MMA_HEADER
+    return mx.fast.cuda_kernel(
+        name=kernel_name(f"kvs_attn_mma_{tag}", header, source, *names),
+        input_names=names, output_names=["o_part", "ml_part"],
+        source=source, header=header, ensure_row_contiguous=False)
+
+
+@functools.cache
 def _merge_kernel():
     return mx.fast.cuda_kernel(name=kernel_name("kvs_attn_merge", MERGE_BODY),
                                input_names=["o_part", "ml_part"], output_names=["out"],
@@ -327,26 +356,13 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     if not supported(queries, kl, vl) or Hq % Hkv or T == 0 \
             or not launchable(queries, kl, vl, keys, values, mask, key_fmt, value_fmt):
         return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale)
-    R = Hq // Hkv
-    q = queries
-    if kl.kind == "turbo":  # rotate once (and fold in the key calibration), f32
-        q = _rotate(queries.astype(F32), _pi_t(key_fmt.codec)).reshape(B, Hkv, R, L, D)
-        q = (q if key_scale is None else q * key_scale[:, :, None]).reshape(B, Hq, L, D)
     kind = mask_kind(mask, L)
-    inputs = [q, _scalar(float(scale)), *keys, *values]
-    if kind >= 2:
-        inputs.append(_mask4(mask))
-    if kl.kind == "turbo":
-        inputs.append(_lut(key_fmt))
-    if vl.kind == "turbo":
-        inputs.append(_lut(value_fmt))
-    p = plan(B * Hkv, R * L, T)
-    template = _template(kl, vl, D, p, kind, inputs)
-    o_part, ml_part = _split_kernel(kl, vl, kind)(
-        inputs=inputs, template=template, grid=(p.row_tiles * NT, p.splits, B * Hkv),
-        threadgroup=(NT, 1, 1),
-        output_shapes=[(p.splits, B * Hkv, R * L, D), (p.splits, B * Hkv, R * L, 2)],
-        output_dtypes=[F32, F32])
+    mask_in = [_mask4(mask)] if kind >= 2 else []
+    if tensor_cores(queries, kl, vl, keys):
+        o_part, ml_part = _mma_pass(queries, kl, vl, keys, values, scale, kind, mask_in, value_fmt)
+    else:
+        o_part, ml_part = _f32_pass(queries, kl, vl, keys, values, scale, kind, mask_in,
+                                    key_fmt, value_fmt, key_scale)
     turbo_v = vl.kind == "turbo"
     out_dtype = F32 if turbo_v else queries.dtype
     n = B * Hq * L * D
@@ -356,6 +372,115 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     if turbo_v:  # one inverse rotation of the merged accumulator (``value_fmt.finish``)
         out = _rotate(out, value_fmt.codec.pi).reshape(B, Hq, L, D).astype(queries.dtype)
     return out
+
+
+def _f32_pass(queries, kl, vl, keys, values, scale, kind, mask_in, key_fmt, value_fmt, key_scale):
+    """The f32 split pass (``cuda_source``): any query dtype, turbo keys included."""
+    B, Hq, L, D = queries.shape
+    Hkv, T = keys[0].shape[1], keys[0].shape[2]
+    R = Hq // Hkv
+    q = queries
+    if kl.kind == "turbo":  # rotate once (and fold in the key calibration), f32
+        q = _rotate(queries.astype(F32), _pi_t(key_fmt.codec)).reshape(B, Hkv, R, L, D)
+        q = (q if key_scale is None else q * key_scale[:, :, None]).reshape(B, Hq, L, D)
+    inputs = [q, _scalar(float(scale)), *keys, *values, *mask_in]
+    if kl.kind == "turbo":
+        inputs.append(_lut(key_fmt))
+    if vl.kind == "turbo":
+        inputs.append(_lut(value_fmt))
+    p = plan(B * Hkv, R * L, T)
+    template = _template(kl, vl, D, p, kind, inputs)
+    return _split_kernel(kl, vl, kind)(
+        inputs=inputs, template=template, grid=(p.row_tiles * NT, p.splits, B * Hkv),
+        threadgroup=(NT, 1, 1),
+        output_shapes=[(p.splits, B * Hkv, R * L, D), (p.splits, B * Hkv, R * L, 2)],
+        output_dtypes=[F32, F32])
+
+
+def tensor_cores(queries: mx.array, kl: Layout, vl: Layout, keys: tuple[mx.array, ...]) -> bool:
+    """Whether the tensor-core pass serves this call: f16/bf16 queries; keys affine, mxfp4
+    or raw in the queries' dtype; values affine, mxfp4 or turbo."""
+    return (queries.dtype in (mx.float16, mx.bfloat16) and vl.kind in ("affine", "mx", "turbo")
+            and (kl.kind in ("affine", "mx") or (kl.kind == "raw" and keys[0].dtype == queries.dtype)))
+
+
+@dataclass(frozen=True)
+class MmaPlan:
+    """Launch shape of the tensor-core pass: ``nr`` 8-row query tiles and ``tm`` 16-token
+    tiles per warp step; ``row_tiles`` x ``splits`` x (B * H_kv) blocks of NW warps."""
+
+    nr: int
+    tm: int
+    row_tiles: int
+    splits: int
+    warps: int = 4
+
+
+def mma_plan(bh: int, rows: int, T: int, D: int, target: int = 0) -> MmaPlan:
+    """Query tiles, tokens per step and context splits (each split a whole number of steps,
+    at least one per warp where the context allows).
+
+        >>> mma_plan(64, 4, 32768, 128)
+        MmaPlan(nr=1, tm=1, row_tiles=1, splits=4, warps=2)
+        >>> mma_plan(3, 12, 65, 256)
+        MmaPlan(nr=1, tm=1, row_tiles=2, splits=3, warps=2)
+    """
+    target = target or MMA_TARGET_BLOCKS
+    nr = 1 if rows <= 8 or D == 256 else 2  # D=256: two row tiles would not fit in registers
+    tm, warps = 1 if D == 256 else MMA_STEP_TILES, MMA_WARPS
+    row_tiles = -(-rows // (8 * nr))
+    steps = -(-T // (16 * tm))
+    want = max(1, min(-(-steps // warps), -(-target // (bh * row_tiles))))
+    for s in range(want, 0, -1):
+        per = -(-steps // s)
+        splits = -(-steps // per)
+        if -(-steps // splits) == per:
+            return MmaPlan(nr, tm, row_tiles, splits, warps)
+    return MmaPlan(nr, tm, row_tiles, 1, warps)
+
+
+def chunking(layout: Layout, n: int) -> tuple[int, int]:
+    """(elements per decode call, words per load) for a lane's run of ``n`` elements.
+
+        >>> chunking(Layout("affine", 4, 64, 3, 16), 32), chunking(Layout("affine", 4, 32, 3, 8), 8)
+        ((32, 4), (8, 1))
+    """
+    if layout.kind in ("raw", "turbo"):
+        return n, 4
+    ec = min(n, 32, layout.group or 32)
+    wc = ec * layout.bits // 32
+    for v in (4, 2):
+        if wc % v == 0 and layout.words % v == 0:
+            return ec, v
+    return ec, 1
+
+
+def fast_affine(layout: Layout, parts: tuple[mx.array, ...], act: mx.Dtype) -> bool:
+    """Whether affine codes can become ``act`` pairs without f32 (``affine_pairs``): scales
+    in the queries' dtype, and 4-bit, or 8-bit into f16 (1024 + 255 is exact in f16 only)."""
+    return (layout.kind == "affine" and parts[1].dtype == act
+            and (layout.bits == 4 or act == mx.float16))
+
+
+def _mma_pass(queries, kl, vl, keys, values, scale, kind, mask_in, value_fmt):
+    B, Hq, L, D = queries.shape
+    Hkv, T = keys[0].shape[1], keys[0].shape[2]
+    rows = (Hq // Hkv) * L
+    inputs = [queries, _scalar(float(scale)), *keys, *values, *mask_in]
+    if vl.kind == "turbo":
+        inputs.append(_lut(value_fmt))
+    p = mma_plan(B * Hkv, rows, T, D)
+    (kec, kvec), (vec, vvec) = chunking(kl, D // 4), chunking(vl, D // 8)
+    kfast, vfast = fast_affine(kl, keys, queries.dtype), fast_affine(vl, values, queries.dtype)
+    consts = [("D", D), ("NR", p.nr), ("TM", p.tm), ("NWP", p.warps), ("MASK", kind), ("ACT", queries.dtype),
+              ("KEC", kec), ("KVEC", kvec), ("KBITS", kl.bits), ("KGS", kl.group or 32),
+              ("VEC", vec), ("VVEC", vvec), ("VBITS", vl.bits), ("VGS", vl.group or 32),
+              ("VWORDS", max(vl.words, 1))]
+    return _mma_kernel(kl, vl, kind, kfast, vfast)(
+        inputs=inputs, template=consts + [(f"DT{i}", a.dtype) for i, a in enumerate(inputs)],
+        grid=(p.row_tiles * p.warps * 32, p.splits, B * Hkv), threadgroup=(p.warps * 32, 1, 1),
+        output_shapes=[(p.splits, B * Hkv, rows, D), (p.splits, B * Hkv, rows, 2)],
+        output_dtypes=[F32, F32])
 
 
 def _template(kl: Layout, vl: Layout, D: int, p: Plan, kind: int, inputs) -> list:

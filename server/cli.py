@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-kv-tokens", type=int,
                        help="KV tokens all requests may hold; beyond it requests are preempted "
                             "(swapped to disk) and resume later (default: no bound)")
+    serve.add_argument("--queue-timeout", type=float,
+                       help="seconds a request may wait in the queue before it gets 503 "
+                            "queue_timeout (default 600; 0: no limit)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     serve.add_argument("--cors-origins", help="comma-separated origins browsers may call from "
@@ -94,6 +97,7 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "engine.max_batch_size": args.max_batch_size,
         "engine.max_step_tokens": args.max_step_tokens,
         "engine.max_kv_tokens": args.max_kv_tokens,
+        "engine.queue_timeout_s": args.queue_timeout,
     })
 
 
@@ -105,11 +109,21 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
 PARSER_HEAD_FACTOR = 16
 
 
+# How long the process waits, after the HTTP server stopped, for the engine to finish and
+# flush the prefix cache's queued writes (at most max_pending_bytes, 1 GiB, to write).
+ENGINE_STOP_S = 30.0
+
+
 def _progress(line: str) -> None:
     print(f"kvserve: {line}", file=sys.stderr, flush=True)
 
 
 def serve(config: ServerConfig) -> int:
+    # Before anything large is allocated: freed large buffers must go back to the OS, not
+    # stay in malloc's arenas between the prefix cache's entries (kvserve.server.engine.heap).
+    from kvserve.server.engine.heap import pin_mmap_threshold
+
+    pin_mmap_threshold()
     # The BLAS library must be in place before mlx is first imported.
     from kvserve.server.engine.blas import enable_fast_blas
 
@@ -143,7 +157,10 @@ def serve(config: ServerConfig) -> int:
     try:
         _draining_server(uvicorn.Server)(uv_config, engine, gate, config.http.drain_timeout_s).run()
     finally:
-        engine.stop(timeout=30)  # finishes what is left and flushes the engine's writers
+        stopped = engine.stop(timeout=ENGINE_STOP_S)  # finishes what is left, flushes the writers
+    if not stopped:  # exiting now may lose queued prefix-cache writes: say so, and exit non-zero
+        _progress(f"the engine did not stop within {ENGINE_STOP_S:g} s; queued cache writes may be lost")
+        return 1
     return 0
 
 

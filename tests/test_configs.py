@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvserve.configs import ConfigError, EngineConfig, load_config
+from kvserve.configs import ConfigError, EngineConfig, HTTPConfig, load_config
 
 
 def test_packaged_default_preset_and_overrides():
@@ -22,7 +22,7 @@ def test_file_values_and_unknown_keys(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"prefill_step_size": 0},
-                                    {"max_tokens": 10, "max_tokens_limit": 5}])
+                                    {"max_tokens": 10, "max_tokens_limit": 5}, {"queue_timeout_s": -1}])
 def test_engine_config_refuses_bad_values(kwargs):
     with pytest.raises(ConfigError):
         EngineConfig(**kwargs)
@@ -35,3 +35,11 @@ def test_missing_preset_and_bad_toml(tmp_path):
     bad.write_text("[engine\n")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(bad)
+
+
+def test_waiting_limits_default_and_refusals():
+    cfg = load_config("default", {"engine.queue_timeout_s": 0})
+    assert (cfg.engine.queue_timeout_s, cfg.http.sse_keepalive_s) == (0, 15.0)  # 0: no limit
+    assert load_config("default").engine.queue_timeout_s == 600.0 == EngineConfig().queue_timeout_s
+    with pytest.raises(ConfigError, match="http.sse_keepalive_s must be > 0"):
+        HTTPConfig(sse_keepalive_s=0)

@@ -287,6 +287,12 @@ def test_metrics_in_prometheus_text_format(server, client, model_id):
     assert after["kvserve_requests_running"] == after["kvserve_requests_waiting"] == 0
     response = httpx.get(f"{server.base_url}/metrics")
     assert response.headers["content-type"].startswith("text/plain")
+    # Memory: MLX's buffers in use (the weights at least) and its buffer cache (at most its
+    # 32 MiB limit on a CPU), and on glibc the bytes malloc holds free in its arenas.
+    assert after["kvserve_mlx_active_memory_bytes"] > 0
+    assert 0 <= after["kvserve_mlx_cache_memory_bytes"] <= 32 << 20
+    assert after.get("kvserve_heap_free_bytes", 0) >= 0
+    assert 'kvserve_requests_finished_total{reason="timeout"}' in after
 
 
 # --- the prefix cache over HTTP ---

@@ -5,6 +5,13 @@ tokens, in the layer's own quantized form) and ``meta_state``. Taking one copies
 out of the caller's growable buffers, so the caller's next append neither changes the entry
 nor has to copy a buffer the entry still shares.
 
+All arrays of an entry share one allocation (``pack``). One per layer and part they are
+small (tens of KiB for a short prompt) and the same sizes as the short-lived buffers of prefill
+chunks and hit copies, so in malloc's arenas they sat between them, and the gaps that
+evicted entries left stayed resident. One allocation per entry is, from 1 MiB up (the mmap
+threshold ``kvserve serve`` pins glibc at), a mapping of its own that an eviction hands
+back to the OS whole.
+
 Which prefixes a copy can serve exactly (``exact_floor``). A trimmed copy holding m tokens is
 only handed out when it equals what the original held at m tokens:
 
@@ -35,6 +42,7 @@ only handed out when it equals what the original held at m tokens:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,25 +111,53 @@ def exact_floor(cache: PromptCache) -> int:
     return min(cache.quantize_after, n) if converted else 0
 
 
+# Offset alignment of each array inside an entry's one allocation (any dtype, SIMD loads).
+PACK_ALIGN = 64
+
+
+def pack(arrays: Sequence[mx.array]) -> tuple[mx.array, ...]:
+    """Evaluated copies of ``arrays`` (contiguous or not) that share one buffer.
+
+    >>> a, b = pack([mx.arange(6, dtype=mx.float16).reshape(2, 3)[:, :2], mx.ones((2,), mx.uint32)])
+    >>> a.tolist(), b.tolist()
+    ([[0.0, 1.0], [3.0, 4.0]], [1, 1])
+    """
+    parts, offsets, at = [], [], 0
+    for a in arrays:
+        raw = a.reshape(-1).view(mx.uint8)  # row-major bytes (reshape copies a strided slice)
+        pad = -raw.size % PACK_ALIGN
+        parts += [raw, mx.zeros((pad,), mx.uint8)] if pad else [raw]
+        offsets.append(at)
+        at += raw.size + pad
+    if not parts:
+        return ()
+    flat = mx.concatenate(parts)
+    out = tuple(flat[o : o + a.nbytes].view(a.dtype).reshape(a.shape) for o, a in zip(offsets, arrays))
+    mx.eval(out)  # slices, views and reshapes of a contiguous buffer share it
+    return out
+
+
+def _layer_states(layers: Sequence[Any]) -> tuple[LayerState, ...]:
+    """Every layer's state, packed into one allocation."""
+    states = [tuple(layer.state) for layer in layers]  # exactly offset tokens each
+    packed = iter(pack([a for state in states for a in state]))
+    return tuple(LayerState(type(layer).__name__, layer.scheme, tuple(next(packed) for _ in state),
+                            dict(layer.meta_state)) for layer, state in zip(layers, states))
+
+
 def take_snapshot(cache: PromptCache) -> Snapshot:
     """Copy ``cache`` (B = 1, kvserve layers) into compact, evaluated arrays."""
     reason = unsupported(cache)
     if reason:
         raise ValueError(f"cannot snapshot {reason}")
-    layers = []
-    for layer in cache:
-        arrays = tuple(mx.contiguous(a) for a in layer.state)  # copies: offset tokens only
-        layers.append(LayerState(type(layer).__name__, layer.scheme, arrays, dict(layer.meta_state)))
-    mx.eval([layer.arrays for layer in layers])
-    return Snapshot(tuple(layers), cache.scheme, cache.quantize_after, int(cache.offset), exact_floor(cache))
+    return Snapshot(_layer_states(list(cache)), cache.scheme, cache.quantize_after, int(cache.offset),
+                    exact_floor(cache))
 
 
 def snapshot_of_loaded(layers: list[Any], scheme: KVScheme, quantize_after: int) -> Snapshot:
-    """A snapshot of freshly loaded layers, whose state arrays are already exact (no copy)."""
+    """A snapshot of freshly loaded layers (their arrays, one per tensor, are packed too)."""
     cache = PromptCache(layers, scheme, quantize_after)
-    states = [LayerState(type(layer).__name__, layer.scheme, tuple(layer.state), dict(layer.meta_state))
-              for layer in layers]
-    return Snapshot(tuple(states), scheme, quantize_after, int(cache.offset), exact_floor(cache))
+    return Snapshot(_layer_states(layers), scheme, quantize_after, int(cache.offset), exact_floor(cache))
 
 
 def restore(snap: Snapshot, num_tokens: int) -> PromptCache:

@@ -94,10 +94,12 @@ class Engine:
         """Stop a request and all its forks."""
         self._inbox.put(("abort", request_id))
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Finish what is running, then end the thread."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """Finish what is running, flush the writers, then end the thread; False when the
+        thread was still running after ``timeout`` seconds."""
         self._inbox.put(("stop",))
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def health(self) -> tuple[bool, str]:
         if not self._thread.is_alive():
@@ -120,6 +122,7 @@ class Engine:
             self._ready.set()
             return
         self.metrics.kv_scheme = self.model.info.kv_scheme
+        self.metrics.memory = self.model.runner.memory
         if self.model.runner.prefix is not None:  # files found at start-up show before any step
             self.metrics.prefix = self.model.runner.prefix.stats()
         self._ready.set()
@@ -132,6 +135,7 @@ class Engine:
         stopping = False
         while not (stopping and not self.scheduler.has_work):
             stopping |= self._drain_inbox(block=not self.scheduler.has_work and not stopping)
+            self._expire_waiting(time.monotonic())
             plan = self.scheduler.schedule()
             if plan.empty:
                 if self.scheduler.running:  # requests no step can advance: never spin on them
@@ -185,6 +189,17 @@ class Engine:
             )
             self._live[member.request_id] = _Live(member, sink, output)
         self.scheduler.add(request)
+
+    def _expire_waiting(self, now: float) -> None:
+        """Requests that waited in the queue longer than ``queue_timeout_s`` leave it with a
+        ``TIMEOUT`` finish (checked between steps). A preempted request has already streamed
+        tokens and waits to resume, not to start: the limit does not apply to it."""
+        limit = self.config.queue_timeout_s
+        if not limit:
+            return
+        for request in [r for r in self.scheduler.waiting if not r.swapped and now - r.arrival_time > limit]:
+            self._finish(request, FinishReason.TIMEOUT, "",
+                         error=f"the request waited more than {limit:g} s in the queue; retry later")
 
     def _emit(self, result: StepResult) -> None:
         now = time.monotonic()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Latency buckets in seconds: from one fast decode step to a long queue wait.
@@ -92,6 +93,8 @@ class EngineMetrics:
         self.running = 0
         self.kv_bytes = 0
         self.swapped = 0
+        # ModelRunner.memory, read at each render: allocator counters need no engine step.
+        self.memory: Callable[[], dict[str, int]] = dict
         self.prefix: dict | None = None  # PrefixCache.stats() after the latest step
         self.ttft = Histogram("kvserve_time_to_first_token_seconds",
                               "Time from arrival to the first generated token.")
@@ -116,10 +119,11 @@ class EngineMetrics:
             *_metric("kvserve_preemptions_total", "counter", "Requests swapped out for KV memory.",
                      self.preemptions),
             *_by_label("kvserve_requests_finished_total", "Finished requests by finish reason.", "reason",
-                       {r: self.finished[r] for r in ("stop", "length", "abort", "error")}),
+                       {r: self.finished[r] for r in ("stop", "length", "abort", "error", "timeout")}),
         ]
         for hist in (self.ttft, self.itl, self.e2e, self.step):
             lines += hist.render(scheme)
+        lines += _memory_lines(self.memory())
         if self.prefix is not None:
             lines += _prefix_lines(self.prefix, scheme)
         return "\n".join(lines) + "\n"
@@ -133,6 +137,30 @@ def _by_label(name: str, help: str, label: str, values: dict[str, float]) -> lis
     """One counter with one sample per value of ``label``."""
     return [f"# HELP {name} {help}", f"# TYPE {name} counter",
             *(f"{name}{_labels({label: key})} {_num(v)}" for key, v in values.items())]
+
+
+# What each ``ModelRunner.memory()`` key measures; a key the runner does not report is left out.
+MEMORY_GAUGES = {
+    "mlx_active": ("kvserve_mlx_active_memory_bytes", "Bytes of MLX buffers in use (weights, caches, "
+                   "activations)."),
+    "mlx_cache": ("kvserve_mlx_cache_memory_bytes", "Bytes of freed MLX buffers kept for reuse."),
+    "heap_free": ("kvserve_heap_free_bytes", "Bytes malloc holds free inside its arenas (glibc)."),
+}
+
+
+def _memory_lines(memory: dict[str, int]) -> list[str]:
+    """Memory gauges, for telling a leak from a cache or allocator holding freed memory.
+
+    >>> print("\\n".join(_memory_lines({"mlx_cache": 4096})))
+    # HELP kvserve_mlx_cache_memory_bytes Bytes of freed MLX buffers kept for reuse.
+    # TYPE kvserve_mlx_cache_memory_bytes gauge
+    kvserve_mlx_cache_memory_bytes 4096
+    """
+    lines = []
+    for key, (name, help) in MEMORY_GAUGES.items():
+        if key in memory:
+            lines += _metric(name, "gauge", help, memory[key])
+    return lines
 
 
 def _prefix_lines(p: dict, scheme: dict[str, str]) -> list[str]:

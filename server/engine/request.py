@@ -28,6 +28,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # the client went away or the server is stopping
     ERROR = "error"  # the engine failed on this request
+    TIMEOUT = "timeout"  # waited in the queue longer than engine.queue_timeout_s
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from kvserve.server.http.errors import APIError, document_errors, error_response
 from kvserve.server.http.guard import Gate, GuardMiddleware
 from kvserve.server.http.logprobs import LogprobFormat
 from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvserve.server.http.streams import ClientGone, EventStream, Shape, collect, sse_events
+from kvserve.server.http.streams import ClientGone, EngineFailed, EventStream, Shape, collect, sse_events
 
 
 def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None = None) -> FastAPI:
@@ -33,6 +33,7 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
     http = http or HTTPConfig()
     app = FastAPI(title="kvserve", version="0.1.0")
     app.state.gate = gate = gate or Gate()
+    app.state.sse_keepalive_s = http.sse_keepalive_s
     install_error_handlers(app)
     document_errors(app)
     install_guards(app, http, gate)
@@ -190,16 +191,16 @@ async def _generate(engine: Engine, body: SamplingFields, tokens: list[int], sha
     gate: Gate = http_request.app.state.gate
     handle = gate.track(abort)  # a drain that runs out of time aborts what is left
     if body.stream:
-        events = _untracked_after(sse_events(shape, stream, body.include_usage, abort, prefix),
-                                  gate, handle)
+        events = _untracked_after(sse_events(shape, stream, body.include_usage, abort, prefix,
+                                             http_request.app.state.sse_keepalive_s), gate, handle)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
         return JSONResponse(await collect(shape, stream, http_request, prefix))
     except ClientGone:
         return error_response(400, "client disconnected")
-    except RuntimeError as exc:  # the engine failed on this request
-        return error_response(500, str(exc))
+    except EngineFailed as exc:  # the engine failed on this request, or it waited too long
+        return JSONResponse(exc.body, status_code=exc.status)
     finally:
         gate.untrack(handle)
         if not stream.finished:  # disconnected or cancelled: free the engine's work

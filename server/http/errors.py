@@ -39,14 +39,16 @@ class APIError(Exception):
 
 
 def error_body(message: str, *, status: int = 400, param: str | None = None,
-               code: str | None = None) -> dict:
-    err_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+               code: str | None = None, err_type: str | None = None) -> dict:
+    """``err_type`` overrides the type the status implies (a queue timeout is a 503 of type
+    ``server_error``: the server failed the request, it is not shutting down)."""
+    err_type = err_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, *, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = error_body(message, status=status, param=param, code=code)
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None, err_type: str | None = None) -> JSONResponse:
+    body = error_body(message, status=status, param=param, code=code, err_type=err_type)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -116,7 +118,7 @@ _ERROR_SCHEMA = {
 }
 _POST_ERRORS = {"400": "invalid request", "401": "missing or invalid API key", "404": "unknown model",
                 "413": "body too large", "429": "queue full (Retry-After)", "431": "headers too large",
-                "503": "shutting down"}
+                "503": "shutting down, or the request waited too long in the queue"}
 _GET_ERRORS = {"401": "missing or invalid API key", "431": "headers too large", "503": "unhealthy or shutting down"}
 
 

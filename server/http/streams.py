@@ -1,7 +1,15 @@
 """Bridging engine events into asyncio, and shaping them as OpenAI JSON or SSE chunks.
 
 The engine thread calls ``EventStream.sink``; the handler awaits ``EventStream.next``.
-A request whose client goes away is aborted in the engine, streaming or not.
+A request whose client goes away is aborted in the engine, streaming or not. A stream with
+nothing to send for ``keepalive_s`` seconds (queued, or in a long prefill) gets an SSE
+comment line, which clients ignore and proxies count as traffic:
+
+    data: {"id": "chatcmpl-...", "choices": [{"delta": {"role": "assistant", ...}}]}
+
+    : keep-alive
+
+    data: {"id": "chatcmpl-...", "choices": [{"delta": {"content": "Hello"}}]}
 """
 
 from __future__ import annotations
@@ -17,14 +25,41 @@ from typing import AsyncIterator, Callable
 from fastapi import Request as HTTPRequest
 
 from kvserve.server.engine.request import FinishReason, TokenEvent, TokenLogprob, Usage
+from kvserve.server.http.errors import error_body
 from kvserve.server.http.logprobs import LogprobFormat
 
 # How often a non-streaming handler checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
 
+# An SSE comment: clients skip it, proxies see bytes on an otherwise idle stream.
+KEEPALIVE = ": keep-alive\n\n"
+
 
 class ClientGone(Exception):
     pass
+
+
+class EngineFailed(Exception):
+    """The engine ended a request with an error; ``status`` and ``body`` answer it."""
+
+    def __init__(self, status: int, body: dict):
+        super().__init__(body["error"]["message"])
+        self.status, self.body = status, body
+
+
+def engine_error(event: TokenEvent) -> tuple[int, dict]:
+    """How a request the engine ended with an error is answered: a queue timeout is 503
+    ``queue_timeout`` (of type ``server_error``), any other failure 500.
+
+    >>> status, body = engine_error(TokenEvent("r", "", finish_reason=FinishReason.TIMEOUT, error="waited"))
+    >>> status, body["error"]["type"], body["error"]["code"]
+    (503, 'server_error', 'queue_timeout')
+    >>> engine_error(TokenEvent("r", "", finish_reason=FinishReason.ERROR, error="boom"))[0]
+    500
+    """
+    if event.finish_reason is FinishReason.TIMEOUT:
+        return 503, error_body(event.error, status=503, code="queue_timeout", err_type="server_error")
+    return 500, error_body(event.error or "engine error", status=500)
 
 
 class EventStream:
@@ -50,11 +85,22 @@ class EventStream:
         except RuntimeError:  # the event loop already closed (server shutting down)
             pass
 
-    async def next(self, http_request: HTTPRequest | None = None) -> TokenEvent:
-        """The next event; with ``http_request``, raises ``ClientGone`` when it disconnects."""
+    async def next(self, http_request: HTTPRequest | None = None,
+                   idle_s: float | None = None) -> TokenEvent | None:
+        """The next event; with ``http_request``, raises ``ClientGone`` when it disconnects;
+        with ``idle_s``, returns None once that many seconds passed without an event."""
+        deadline = None if idle_s is None else self._loop.time() + idle_s
         while True:
+            wait = DISCONNECT_POLL_S
+            if deadline is not None:
+                wait = min(wait, deadline - self._loop.time())
             try:
-                event = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+                if wait <= 0:
+                    event = self._queue.get_nowait()
+                else:
+                    event = await asyncio.wait_for(self._queue.get(), wait)
+            except asyncio.QueueEmpty:
+                return None
             except asyncio.TimeoutError:
                 if http_request is not None and await http_request.is_disconnected():
                     raise ClientGone() from None
@@ -135,7 +181,7 @@ async def collect(shape: Shape, stream: EventStream, http_request: HTTPRequest, 
     while not stream.finished:
         event = await stream.next(http_request)
         if event.error:
-            raise RuntimeError(event.error)
+            raise EngineFailed(*engine_error(event))
         i = stream.index(event)
         parts[i].append(event.text)
         records[i].extend(event.logprobs)
@@ -152,9 +198,11 @@ def _sse(payload: dict) -> str:
 
 
 async def sse_events(shape: Shape, stream: EventStream, include_usage: bool,
-                     on_close: Callable[[], None], prefix: str = "") -> AsyncIterator[str]:
-    """Server-sent events: a first chunk per choice, one chunk per text event, each choice's
-    finish, then usage and [DONE]."""
+                     on_close: Callable[[], None], prefix: str = "",
+                     keepalive_s: float | None = None) -> AsyncIterator[str]:
+    """Server-sent events: a first chunk per choice, one chunk per text event (``KEEPALIVE``
+    after every ``keepalive_s`` seconds without one), each choice's finish or error, then
+    usage and [DONE]."""
     chunk_id, created = shape.new_id(), int(time.time())
     obj = "chat.completion.chunk" if shape.chat else "text_completion"
     n = len(stream.request_ids)
@@ -173,11 +221,13 @@ async def sse_events(shape: Shape, stream: EventStream, include_usage: bool,
             for i in range(n):
                 yield chunk([_delta(shape, i, prefix, None, first=True)])
         while not stream.finished:
-            event = await stream.next()
+            event = await stream.next(idle_s=keepalive_s)
+            if event is None:
+                yield KEEPALIVE
+                continue
             i, reason = stream.index(event), finish_reason_json(event.finish_reason)
             if event.error:
-                yield _sse({"error": {"message": event.error, "type": "server_error",
-                                      "param": None, "code": None}})
+                yield _sse(engine_error(event)[1])
             elif event.text or reason or event.logprobs:
                 logprobs = shape.logprobs_json(list(event.logprobs), offsets[i])
                 yield chunk([_delta(shape, i, event.text, reason, logprobs=logprobs)])

@@ -1,0 +1,498 @@
+"""CUDA source of the tensor-core decode attention (f16 / bf16 queries, ``mma.sync``).
+
+The split pass of ``kvserve.kernels.cuda_source`` does every product on the f32 pipes:
+per token and query row, D FMAs for the score and D for the value, with the query read
+from shared memory each time. This pass hands both products to the tensor cores
+(``mma.sync.m16n8k16``, f16 or bf16 inputs, f32 accumulators); what is left on the
+ordinary pipes is decoding the stored K/V, which every path must do once per element.
+
+Shapes of one warp step (16 * TM tokens; W = D / 4 key and D / 8 value elements a thread
+decodes per token):
+
+    scores   S^T (16 tokens x 8 rows) += K (16 tokens x 16 d) . Q^T (16 d x 8 rows)
+             per 16 tokens and 16 dims; A = K as decoded, B = the queries (loop-invariant
+             registers), up to 16 query rows as two 8-row tiles sharing each K fragment
+    softmax  online, in f32, per row; each lane holds two rows and keeps its own partial sum
+    values   O^T (16 d x 8 rows) += V^T (16 d x 16 tokens) . P^T (16 tokens x 8 rows):
+             P^T leaves the scores' accumulator layout and is transposed into the B layout
+             by ``movmatrix`` (8x8, in registers)
+
+Which d a fragment slot holds is free, as long as the query and the output use the same
+map: lane (g, c) (g = lane / 4, c = lane % 4) decodes elements c*W .. c*W + W-1 of key
+tokens g and g+8, and elements g*D/8 .. g*D/8 + D/8-1 of value tokens 2c, 2c+1, 2c+8, 2c+9,
+so every load is one contiguous piece of a row. Worked example, D=128, affine4: a lane reads
+16 bytes of two key rows and 8 bytes of four value rows per 16 tokens.
+
+Warps of a block walk interleaved steps of the block's split with their own softmax state,
+with no block-wide barrier until the end, where the warps' states are merged into the same
+partial (acc, max, sum) per split that the f32 split pass writes, so one merge kernel serves
+both. Turbo values fold each token's norm into its probability (p * norm) before the
+product, so decoding a value is a centroid lookup only.
+"""
+
+from __future__ import annotations
+
+from kvserve.kernels.cuda_source import MASK_CODE
+
+NW = 4  # warps per block (a template constant, NWP)
+
+MMA_HEADER = r"""
+namespace kvt {
+
+template <typename A> struct Act;
+template <> struct Act<__half> {
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+template <> struct Act<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+// An 8x8 matrix of 16-bit values, one row per 4 lanes (lane l: row l / 4, columns
+// 2 (l % 4) and +1 in one word), transposed in place across the warp.
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Affine codes straight to f16 / bf16 pairs: a code under the exponent of MAGIC (1024 in
+// f16, 128 in bf16, both with a unit last place there) is MAGIC + n exactly; one exact
+// subtraction and one fused s * n + z per pair follow. One word of 4-bit codes gives the
+// pairs (n_s, n_s+4), s = 0..3; of 8-bit codes (n_s, n_s+2), s = 0, 1 (f16 only: 128 + 255
+// is not exact in bf16). For example 4-bit w = 0x76543210, s = 1: the halves hold
+// 1024 + 1 and 1024 + 5.
+template <typename AT> struct Magic;
+template <> struct Magic<__half> {
+  static constexpr uint32_t M = 0x64006400u;
+  static __device__ __forceinline__ uint32_t fma(uint32_t h, uint32_t s2, uint32_t z2) {
+    __half2 x = __hsub2(*reinterpret_cast<__half2*>(&h), __half2half2(__ushort_as_half(0x6400)));
+    x = __hfma2(x, *reinterpret_cast<__half2*>(&s2), *reinterpret_cast<__half2*>(&z2));
+    return *reinterpret_cast<uint32_t*>(&x);
+  }
+  static __device__ __forceinline__ uint32_t splat(__half v) {
+    __half2 x = __half2half2(v);
+    return *reinterpret_cast<uint32_t*>(&x);
+  }
+};
+template <> struct Magic<__nv_bfloat16> {
+  static constexpr uint32_t M = 0x43004300u;
+  static __device__ __forceinline__ uint32_t fma(uint32_t h, uint32_t s2, uint32_t z2) {
+    __nv_bfloat162 x = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&h),
+                               __bfloat162bfloat162(__ushort_as_bfloat16(0x4300)));
+    x = __hfma2(x, *reinterpret_cast<__nv_bfloat162*>(&s2), *reinterpret_cast<__nv_bfloat162*>(&z2));
+    return *reinterpret_cast<uint32_t*>(&x);
+  }
+  static __device__ __forceinline__ uint32_t splat(__nv_bfloat16 v) {
+    __nv_bfloat162 x = __bfloat162bfloat162(v);
+    return *reinterpret_cast<uint32_t*>(&x);
+  }
+};
+
+// A lane's run of N elements of one token row, in two stages: load() issues the global
+// reads into registers (a step ahead of use), decode() makes N / 2 f16 / bf16 pairs.
+struct NoRun {};  // formats decoded straight from memory where they are used
+
+template <typename AT, int N>
+struct RawRun {  // stored in the queries' dtype: the pairs are the words
+  uint32_t u[N / 2];
+  __device__ __forceinline__ void load(const AT* row, int e0) {
+    kvs::load_words<N / 2, 4>(reinterpret_cast<const uint32_t*>(row + e0), u);
+  }
+  __device__ __forceinline__ void decode(uint32_t* out, const float*) const {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) out[i] = u[i];
+  }
+};
+
+template <typename AT, int BITS, int GS, int N, int VEC>
+struct AffineRun {  // scales and biases in AT; pairs as ``Magic`` says
+  static constexpr int EPW = 32 / BITS, NWD = N / EPW, PPW = EPW / 2, NGR = N > GS ? N / GS : 1;
+  static constexpr uint32_t MASK = BITS == 4 ? 0x000F000Fu : 0x00FF00FFu;
+  uint32_t u[NWD];
+  AT s[NGR], z[NGR];
+  __device__ __forceinline__ void load(const uint32_t* w, const AT* sc, const AT* bi, int e0) {
+    kvs::load_words<NWD, VEC>(w + e0 / EPW, u);
+#pragma unroll
+    for (int i = 0; i < NGR; ++i) { s[i] = sc[e0 / GS + i]; z[i] = bi[e0 / GS + i]; }
+  }
+  __device__ __forceinline__ void decode(uint32_t* out, const float*) const {
+#pragma unroll
+    for (int m = 0; m < NWD; ++m) {
+      const int gi = NGR > 1 ? (m * EPW) / GS : 0;
+      const uint32_t s2 = Magic<AT>::splat(s[gi]), z2 = Magic<AT>::splat(z[gi]);
+#pragma unroll
+      for (int p = 0; p < PPW; ++p)
+        out[m * PPW + p] = Magic<AT>::fma(((u[m] >> (BITS * p)) & MASK) | Magic<AT>::M, s2, z2);
+    }
+  }
+};
+
+// BITS-wide centroid indices from element e0 (any bit offset): the words are loaded (the
+// last clamped to the row), shifted so the run starts at bit 0, then read at constant
+// offsets through the lookup table.
+template <typename AT, int BITS, int N, int WORDS>
+struct LutRun {
+  static constexpr int NWD = (N * BITS + 31) / 32 + 1;
+  uint32_t u[NWD];
+  int off;
+  __device__ __forceinline__ void load(const uint32_t* w, int e0) {
+    const int bit0 = e0 * BITS, w0 = bit0 >> 5;
+    off = bit0 & 31;
+#pragma unroll
+    for (int k = 0; k < NWD; ++k) u[k] = w[min(w0 + k, WORDS - 1)];
+  }
+  __device__ __forceinline__ void decode(uint32_t* out, const float* lut) const {
+    uint32_t v[NWD + 1];
+#pragma unroll
+    for (int k = 0; k < NWD; ++k) v[k] = __funnelshift_r(u[k], k + 1 < NWD ? u[k + 1] : 0u, off);
+    v[NWD] = 0u;
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e)
+      out[e] = Act<AT>::pack(lut[kvs::field<BITS>(v, 2 * e)], lut[kvs::field<BITS>(v, 2 * e + 1)]);
+  }
+};
+
+}  // namespace kvt
+"""
+
+# Template constants: D, NR (8-row tiles of queries per block), TM (16-token tiles per
+# step), MASK, ACT (the queries' dtype), and the formats' own (see ``mma_source``).
+MMA_BODY = r"""
+  using A = kvt::Act<ACT>;
+  // Pair k of a lane's decoded run holds elements (KX(k), KY(k)) of its key run and
+  // (VX(k), VY(k)) of its value run (see ``pair_map``).
+__PAIR_MAPS__
+  constexpr int KN = D / 4, VN = D / 8, KP = KN / 2, VP = VN / 2, STEP = 16 * TM;
+  constexpr float MASKED = -3.4028234663852886e38f;  // finite: a fully masked row averages
+  __shared__ float o_s[8 * NR * D];
+  __shared__ float m_w[NWP][8 * NR], l_w[NWP][8 * NR];
+  __shared__ float vlut[16];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int split = blockIdx.y, n_split = gridDim.y, bh = blockIdx.z;
+  const int Hkv = k0_shape[1], T = k0_shape[2], Hq = q_shape[1], L = q_shape[2];
+  const int R = Hq / Hkv, ROWS = R * L, b = bh / Hkv, h = bh % Hkv;
+  const int row0 = blockIdx.x * 8 * NR;
+  const int n_steps = (T + STEP - 1) / STEP, per = (n_steps + n_split - 1) / n_split;
+  const int s_begin = split * per, s_end = min(n_steps, s_begin + per);
+  const float scale = sc[0];
+__LUT_LOAD__
+  for (int i = threadIdx.x; i < 8 * NR * D; i += NWP * 32) o_s[i] = 0.f;
+
+  // Queries as the B operand of the scores: row 8 nr + g, the d's of this lane's key chunk.
+  uint32_t qf[NR][D / 16][2];
+#pragma unroll
+  for (int nr = 0; nr < NR; ++nr) {
+    const int row = row0 + 8 * nr + g;
+    const bool live = row < ROWS;
+    const int hq = h * R + (live ? row : 0) / L, l = (live ? row : 0) % L;
+    const ACT* qr = q + b * q_strides[0] + hq * q_strides[1] + l * q_strides[2];
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int dx = c * KN + KX(2 * j + hf), dy = c * KN + KY(2 * j + hf);
+        qf[nr][j][hf] = live ? A::pack(static_cast<float>(qr[dx * q_strides[3]]),
+                                       static_cast<float>(qr[dy * q_strides[3]])) : 0u;
+      }
+  }
+__syncthreads();
+
+__K_BASE__
+__V_BASE__
+  float o[D / 16][NR][4], m_r[NR][2], l_r[NR][2];
+#pragma unroll
+  for (int nr = 0; nr < NR; ++nr) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) { m_r[nr][i] = -INFINITY; l_r[nr][i] = 0.f; }
+#pragma unroll
+    for (int dm = 0; dm < D / 16; ++dm)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[dm][nr][e] = 0.f;
+  }
+
+  // Step st of this warp reads its K/V (load) one step before it uses them (compute).
+  using KRun = __K_RUN__;
+  using VRun = __V_RUN__;
+  auto load = [&](int st, KRun (&kr)[TM][2], VRun (&vr)[TM][4]) {
+    const int t0 = st * STEP;
+#pragma unroll
+    for (int mt = 0; mt < TM; ++mt) {
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int t = min(t0 + 16 * mt + g + 8 * hi, T - 1);
+__K_LOAD__
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int t = min(t0 + 16 * mt + 2 * c + (k & 1) + 8 * (k >> 1), T - 1);
+__V_LOAD__
+      }
+    }
+  };
+  auto compute = [&](int st, const KRun (&kr)[TM][2], const VRun (&vr)[TM][4]) {
+    const int t0 = st * STEP;
+__V_NORMS__
+    float s[TM][NR][4];
+#pragma unroll
+    for (int mt = 0; mt < TM; ++mt) {  // scores of tokens t0 + 16 mt + (g, g + 8)
+      uint32_t kk[2][KP];  // tokens g, g + 8
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int t = min(t0 + 16 * mt + g + 8 * hi, T - 1);
+__K_DECODE__
+      }
+#pragma unroll
+      for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nr][e] = 0.f;
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        const uint32_t af[4] = {kk[0][2 * j], kk[1][2 * j], kk[0][2 * j + 1], kk[1][2 * j + 1]};
+#pragma unroll
+        for (int nr = 0; nr < NR; ++nr) A::mma(s[mt][nr], af, qf[nr][j]);
+      }
+#pragma unroll
+      for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + 16 * mt + g + 8 * (e >> 1), row = row0 + 8 * nr + 2 * c + (e & 1);
+          float sv = s[mt][nr][e] * scale;
+          if (row < ROWS && t < T) {
+            const int l = row % L;
+__MASK__
+          }
+          s[mt][nr][e] = t < T ? sv : -INFINITY;
+        }
+    }
+    // Online softmax: lanes of one c hold the same two rows; reduce over g.
+#pragma unroll
+    for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int mt = 0; mt < TM; ++mt) mx = fmaxf(mx, fmaxf(s[mt][nr][i], s[mt][nr][2 + i]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m_r[nr][i], mx);
+        const float base = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = __expf(m_r[nr][i] - base);
+        m_r[nr][i] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int mt = 0; mt < TM; ++mt)
+#pragma unroll
+          for (int hi = 0; hi < 2; ++hi) {
+            const float p = __expf(s[mt][nr][2 * hi + i] - base);
+            s[mt][nr][2 * hi + i] = p;
+            sum += p;
+          }
+        l_r[nr][i] = l_r[nr][i] * alpha + sum;
+#pragma unroll
+        for (int dm = 0; dm < D / 16; ++dm) { o[dm][nr][i] *= alpha; o[dm][nr][2 + i] *= alpha; }
+      }
+#pragma unroll
+    for (int mt = 0; mt < TM; ++mt) {  // values of tokens t0 + 16 mt + (2c, 2c+1, 2c+8, 2c+9)
+__P_SCALE__
+      uint32_t vv[4][VP];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int t = min(t0 + 16 * mt + 2 * c + (k & 1) + 8 * (k >> 1), T - 1);
+__V_DECODE__
+      }
+      uint32_t pb[NR][2];
+#pragma unroll
+      for (int nr = 0; nr < NR; ++nr) {
+        pb[nr][0] = kvt::transpose8x8(A::pack(s[mt][nr][0], s[mt][nr][1]));
+        pb[nr][1] = kvt::transpose8x8(A::pack(s[mt][nr][2], s[mt][nr][3]));
+      }
+#pragma unroll
+      for (int dm = 0; dm < D / 16; ++dm) {
+        const uint32_t af[4] = {__byte_perm(vv[0][dm], vv[1][dm], 0x5410),
+                                __byte_perm(vv[0][dm], vv[1][dm], 0x7632),
+                                __byte_perm(vv[2][dm], vv[3][dm], 0x5410),
+                                __byte_perm(vv[2][dm], vv[3][dm], 0x7632)};
+#pragma unroll
+        for (int nr = 0; nr < NR; ++nr) A::mma(o[dm][nr], af, pb[nr]);
+      }
+    }
+  };
+  KRun ka[TM][2], kb[TM][2];
+  VRun va[TM][4], vb[TM][4];
+  int st = s_begin + warp;
+  if (st < s_end) load(st, ka, va);
+  for (; st < s_end; st += 2 * NWP) {  // two steps per trip: the buffers alternate
+    if (st + NWP < s_end) load(st + NWP, kb, vb);
+    compute(st, ka, va);
+    if (st + NWP >= s_end) break;
+    if (st + 2 * NWP < s_end) load(st + 2 * NWP, ka, va);
+    compute(st + NWP, kb, vb);
+  }
+
+  // Merge the warps: each lane's rows 8 nr + 2c + i; sums over g first.
+#pragma unroll
+  for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float l = l_r[nr][i];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      if (g == 0) { m_w[warp][8 * nr + 2 * c + i] = m_r[nr][i]; l_w[warp][8 * nr + 2 * c + i] = l; }
+    }
+  __syncthreads();
+#pragma unroll
+  for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = 8 * nr + 2 * c + i;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < NWP; ++w) M = fmaxf(M, m_w[w][r]);
+      const float f = __expf(m_r[nr][i] - (M == -INFINITY ? 0.f : M));
+#pragma unroll
+      for (int dm = 0; dm < D / 16; ++dm) {
+        atomicAdd(&o_s[r * D + g * VN + VX(dm)], f * o[dm][nr][i]);
+        atomicAdd(&o_s[r * D + g * VN + VY(dm)], f * o[dm][nr][2 + i]);
+      }
+    }
+  __syncthreads();
+  const int64_t out_row = ((int64_t)split * gridDim.z + bh) * ROWS;
+  for (int i = threadIdx.x; i < 8 * NR * D; i += NWP * 32) {
+    const int row = row0 + i / D;
+    if (row < ROWS) o_part[(out_row + row) * D + i % D] = o_s[i];
+  }
+  if (threadIdx.x < 8 * NR && row0 + threadIdx.x < ROWS) {
+    const int r = threadIdx.x;
+    float M = -INFINITY, l = 0.f;
+    for (int w = 0; w < NWP; ++w) M = fmaxf(M, m_w[w][r]);
+    const float base = M == -INFINITY ? 0.f : M;
+    for (int w = 0; w < NWP; ++w) l += __expf(m_w[w][r] - base) * l_w[w][r];
+    ml_part[(out_row + row0 + r) * 2] = M;
+    ml_part[(out_row + row0 + r) * 2 + 1] = l;
+  }
+"""
+
+
+def _mask(kind: int) -> str:
+    """The f32 split pass's masking of ``s[r]``, as masking of ``sv`` here."""
+    return MASK_CODE[kind].replace("s[r]", "sv")
+
+
+def pair_map(layout, fast: bool) -> tuple[str, str]:
+    """C++ expressions of k: the two elements of a run that decoded pair k holds.
+
+        >>> from kvserve.kernels.cuda_attention import Layout
+        >>> pair_map(Layout("affine", 4, 64, 3, 16), True)
+        ('(8 * ((k) / 4) + (k) % 4)', '(8 * ((k) / 4) + (k) % 4 + 4)')
+        >>> pair_map(Layout("mx", 4, 32, 2, 16), False)
+        ('(2 * (k))', '(2 * (k) + 1)')
+    """
+    if not fast:
+        return "(2 * (k))", "(2 * (k) + 1)"
+    epw = 32 // layout.bits
+    x = f"({epw} * ((k) / {epw // 2}) + (k) % {epw // 2})"
+    return x, x[:-1] + f" + {epw // 2})"
+
+
+def _decode(layout, role: str, out: str, n: str, first: str) -> str:
+    """Decode ``n`` elements from element ``first`` of token t's row straight from memory
+    (the formats without a ``run``) into pairs ``out[e]`` = (elements 2e, 2e + 1)."""
+    U = role.upper()
+    rows = ", ".join(f"{role}{i}b + t * {role}{i}t" for i in range(layout.n_parts))
+    EC, V = f"{U}EC", f"{U}VEC"
+    call = (f"kvs::affine_chunk<{U}BITS, {U}GS, {EC}, {V}>({rows}, ({first}) / {EC} + p, x + p * {EC});"
+            if layout.kind == "affine" else
+            f"kvs::mx4_chunk<{EC}, {V}>({rows}, ({first}) / {EC} + p, x + p * {EC});")
+    return (f"        float x[{n}];\n"
+            f"#pragma unroll\n        for (int p = 0; p < ({n}) / {EC}; ++p) {{ {call} }}\n"
+            f"#pragma unroll\n        for (int e = 0; e < ({n}) / 2; ++e) {out}[e] = A::pack(x[2 * e], x[2 * e + 1]);")
+
+
+def run(layout, role: str, fast: bool) -> dict[str, str]:
+    """The run type of one component and its load / decode statements (token t, buffer
+    slot ``R``), or direct decoding for formats without a two-stage run (mxfp4, affine
+    through f32).
+
+        >>> from kvserve.kernels.cuda_attention import Layout
+        >>> run(Layout("turbo", 4, 0, 2, 16), "v", False)["type"]
+        'kvt::LutRun<ACT, VBITS, VN, VWORDS>'
+    """
+    U = role.upper()
+    n, first = ("KN", "c * KN") if role == "k" else ("VN", "g * VN")
+    slot, out = ("kr[mt][hi]", "kk[hi]") if role == "k" else ("vr[mt][k]", "vv[k]")
+    rows = ", ".join(f"{role}{i}b + t * {role}{i}t" for i in range(layout.n_parts))
+    if layout.kind == "raw":
+        kind = f"kvt::RawRun<ACT, {n}>"
+    elif layout.kind == "turbo":
+        kind, rows = f"kvt::LutRun<ACT, {U}BITS, {n}, {U}WORDS>", f"{role}0b + t * {role}0t"
+    elif fast:
+        kind = f"kvt::AffineRun<ACT, {U}BITS, {U}GS, {n}, {U}VEC>"
+    else:
+        return {"type": "kvt::NoRun", "load": "        (void)t;",
+                "decode": _decode(layout, role, out, n, first)}
+    lut = f"{role}lut" if layout.kind == "turbo" else "nullptr"
+    return {"type": kind, "load": f"        {slot}.load({rows}, {first});",
+            "decode": f"        {slot}.decode({out}, {lut});"}
+
+
+def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: bool = False) -> str:
+    """The tensor-core split pass for one pair of stored formats and a mask kind.
+
+    Keys: raw (in the queries' dtype), affine or mxfp4; values: affine, mxfp4 or turbo.
+    ``kfast`` / ``vfast``: affine codes decoded straight to pairs (``AffineRun``; the
+    scales must be in the queries' dtype), else through f32.
+
+        >>> from kvserve.kernels.cuda_attention import Layout
+        >>> src = mma_source(Layout("affine", 4, 64, 3, 16), Layout("turbo", 3, 0, 2, 12), 0)
+        >>> "__" in src.replace("__shfl", "").replace("__syncthreads", "").replace("__expf", "") \\
+        ...     .replace("__byte_perm", "").replace("__shared__", "").replace("__device__", "")
+        False
+    """
+    from kvserve.kernels.cuda_source import component_code
+
+    body = MMA_BODY.replace("__MASK__", _mask(mask))
+    lut = ""
+    if value_layout.kind == "turbo":
+        lut = f"  if (threadIdx.x < {1 << value_layout.bits}) vlut[threadIdx.x] = vlut_in[threadIdx.x];"
+        norms = ("    float na[TM], nb[TM];  // value norms of tokens t0 + 16 mt + (g, g + 8)\n"
+                 "#pragma unroll\n    for (int mt = 0; mt < TM; ++mt) {\n"
+                 "      na[mt] = v1b[min(t0 + 16 * mt + g, T - 1) * v1t];\n"
+                 "      nb[mt] = v1b[min(t0 + 16 * mt + g + 8, T - 1) * v1t]; }")
+        scale = ("#pragma unroll\n      for (int nr = 0; nr < NR; ++nr) {\n"
+                 "        s[mt][nr][0] *= na[mt]; s[mt][nr][1] *= na[mt];\n"
+                 "        s[mt][nr][2] *= nb[mt]; s[mt][nr][3] *= nb[mt]; }")
+    else:
+        norms = scale = ""
+    body = body.replace("__LUT_LOAD__", lut).replace("__P_SCALE__", scale).replace("__V_NORMS__", norms)
+    body = body.replace("__K_BASE__", component_code(key_layout, "k")["K_BASE"])
+    body = body.replace("__V_BASE__", component_code(value_layout, "v")["V_BASE"])
+    for role, layout, fast in (("k", key_layout, kfast), ("v", value_layout, vfast)):
+        r, U = run(layout, role, fast), role.upper()
+        body = body.replace(f"__{U}_RUN__", r["type"]).replace(f"__{U}_LOAD__", r["load"])
+        body = body.replace(f"__{U}_DECODE__", r["decode"])
+    (kx, ky), (vx, vy) = pair_map(key_layout, kfast), pair_map(value_layout, vfast)
+    maps = [f"  auto {name} = [](int k) {{ return {expr}; }};"
+            for name, expr in (("KX", kx), ("KY", ky), ("VX", vx), ("VY", vy))]
+    body = body.replace("__PAIR_MAPS__", "\n".join(maps))
+    return body

@@ -1,0 +1,73 @@
+"""Where memory goes: glibc's mmap threshold pinned by the server, heap counters, and prefix
+cache entries as one allocation each."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.cache.prefix.snapshot import PACK_ALIGN, restore, take_snapshot
+from kvserve.server.engine.heap import MMAP_THRESHOLD, heap_stats
+
+# In a fresh interpreter: free a 4 MiB malloc, then take 2 MiB; print the bytes mmapped.
+PROBE = """
+import ctypes, sys
+from kvserve.server.engine.heap import heap_stats, pin_mmap_threshold
+if sys.argv[1] == "pinned":
+    assert pin_mmap_threshold()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = (ctypes.c_void_p,)
+libc.free(libc.malloc(4 << 20))
+before = heap_stats().mapped
+keep = libc.malloc(2 << 20)
+print(heap_stats().mapped - before)
+"""
+
+glibc_only = pytest.mark.skipif(heap_stats() is None, reason="needs glibc's mallinfo2")
+
+
+def mapped_after_free(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+@glibc_only
+def test_a_pinned_threshold_keeps_large_buffers_out_of_the_arenas():
+    # glibc alone: freeing the 4 MiB mapping raised the threshold past 2 MiB, so the 2 MiB
+    # buffer came from an arena (where its pages would stay after a free).
+    assert mapped_after_free("dynamic") == 0
+    # Pinned at 1 MiB: it gets a mapping of its own (2 MiB and glibc's page of bookkeeping).
+    assert 2 << 20 <= mapped_after_free("pinned") <= (2 << 20) + 4096
+    assert MMAP_THRESHOLD == 1 << 20
+
+
+@glibc_only
+def test_heap_stats_count_a_mapping_and_its_free():
+    import numpy as np
+
+    before = heap_stats().mapped
+    big = np.ones(64 << 20, dtype=np.uint8)  # past the highest threshold glibc raises to (32 MiB)
+    assert heap_stats().mapped >= before + big.nbytes
+    del big
+    assert heap_stats().mapped == before
+
+
+def test_a_prefix_entry_is_one_allocation():
+    """Its arrays lie back to back in one buffer (each at a 64-byte boundary), so evicting
+    the entry frees one block: from 1 MiB up, a mapping the OS gets back whole."""
+    import numpy as np
+    from prefix_helpers import filled, state_bytes
+
+    cache = filled("affine4-g32", 300, layers=4)
+    snap = take_snapshot(cache)
+    arrays = [a for layer in snap.layers for a in layer.arrays]
+    starts = [np.asarray(a).__array_interface__["data"][0] for a in arrays]
+    expected, at = [], starts[0]
+    for a in arrays:
+        expected.append(at)
+        at += -(-a.nbytes // PACK_ALIGN) * PACK_ALIGN
+    assert starts == expected and len(arrays) == 4 * 6
+    assert state_bytes(restore(snap, 300)) == state_bytes(cache)
