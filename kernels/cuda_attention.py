@@ -407,13 +407,13 @@ def tensor_cores(queries: mx.array, kl: Layout, vl: Layout, keys: tuple[mx.array
 @dataclass(frozen=True)
 class MmaPlan:
     """Launch shape of the tensor-core pass: ``nr`` 8-row query tiles and ``tm`` 16-token
-    tiles per warp step; ``row_tiles`` x ``splits`` x (B * H_kv) blocks of NW warps."""
+    tiles per warp step; ``row_tiles`` x ``splits`` x (B * H_kv) blocks of ``warps`` warps."""
 
     nr: int
     tm: int
     row_tiles: int
     splits: int
-    warps: int = 4
+    warps: int
 
 
 def mma_plan(bh: int, rows: int, T: int, D: int, target: int = 0) -> MmaPlan:

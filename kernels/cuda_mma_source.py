@@ -34,8 +34,6 @@ from __future__ import annotations
 
 from kvserve.kernels.cuda_source import MASK_CODE
 
-NW = 4  # warps per block (a template constant, NWP)
-
 MMA_HEADER = r"""
 namespace kvt {
 
