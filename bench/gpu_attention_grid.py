@@ -9,6 +9,11 @@ each appears with every scheme. The kernel runs on the GPU (``attend_cuda``, cal
 directly, no dispatch); the reference is ``attend_full`` on the CPU stream over the same
 stored parts, in f32. Output: one line per case and a per-scheme summary (markdown).
 
+Storage cycles too: parts as quantized (contiguous), as a cache holds them (the first T slots
+of a buffer with spare room: packed rows, larger head strides), and with rows not packed
+(stored token-major and viewed head-major, so the token stride is H_kv rows): the kernels take
+a compile-time-stride path for packed rows and a run-time-stride path otherwise.
+
 Tolerances (max abs difference, outputs of unit scale): the queries' dtype rounds both
 results, so f16 4e-3 and bf16 3e-2 (about one ulp, as in tests/test_kernels.py); f32 2e-4
 (turbo formats rotate queries and un-rotate outputs with f32 matmuls on the GPU, which
@@ -68,6 +73,18 @@ def make_case(name: str, B: int, R: int, Hkv: int, D: int, T: int, L: int, dtype
     return q, kf, tuple(kf.encode(k, key_scale)), vf, tuple(vf.encode(v)), key_scale
 
 
+STORAGE = ("contiguous", "cache view", "not packed")
+
+
+def store(parts: tuple[mx.array, ...], kind: str) -> tuple[mx.array, ...]:
+    """The same (B, H, T, W) values laid out as ``kind`` says (see the module docstring)."""
+    if kind == "cache view":
+        return tuple(mx.pad(p, [(0, 0), (0, 0), (0, 7), (0, 0)])[:, :, : p.shape[2]] for p in parts)
+    if kind == "not packed":
+        return tuple(mx.contiguous(p.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for p in parts)
+    return parts
+
+
 def mask_for(B: int, L: int, T: int, padded: bool):
     """Left padding of up to 5 slots (never a whole row) or "causal"/None unpadded."""
     if not padded:
@@ -76,10 +93,11 @@ def mask_for(B: int, L: int, T: int, padded: bool):
     return causal_mask(L, T - L, mx.array(pads))
 
 
-def run_case(name, D, T, L, combo, seed) -> dict:
+def run_case(name, D, T, L, combo, seed, storage="contiguous") -> dict:
     B, R, Hkv, dtype, padded = combo
     padded = padded and B > 1
     q, kf, kp, vf, vp, ks = make_case(name, B, R, Hkv, D, T, L, dtype, seed)
+    kp, vp = store(kp, storage), store(vp, storage)
     mask, scale = mask_for(B, L, T, padded), D ** -0.5
     mx.eval(q, kp, vp, ks) if ks is not None else mx.eval(q, kp, vp)
     t0 = time.perf_counter()
@@ -93,7 +111,7 @@ def run_case(name, D, T, L, combo, seed) -> dict:
     ok = got.dtype == dtype and got.shape == q.shape and diff <= TOL[dtype]
     return {"scheme": name, "B": B, "Hq": R * Hkv, "Hkv": Hkv, "D": D, "T": T, "L": L,
             "dtype": str(dtype).split(".")[-1], "mask": "padded" if padded else str(mask),
-            "max_abs_diff": diff, "ok": ok, "first_call_s": round(gpu_s, 3)}
+            "storage": storage, "max_abs_diff": diff, "ok": ok, "first_call_s": round(gpu_s, 3)}
 
 
 def main(argv=None) -> int:
@@ -104,7 +122,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     mx.set_default_device(mx.gpu)
     lines, summary, i = [], {}, 0
-    head = ("scheme", "B", "Hq", "Hkv", "D", "T", "L", "dtype", "mask", "max_abs_diff", "ok")
+    head = ("scheme", "B", "Hq", "Hkv", "D", "T", "L", "dtype", "mask", "storage", "max_abs_diff", "ok")
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in args.schemes.split(","):
         s = parse_scheme(name)
@@ -112,13 +130,14 @@ def main(argv=None) -> int:
         for D, T, L in grid(args.quick):
             if group and D % group:  # e.g. affine4-g128 at D=64: no such cache exists
                 continue
-            combo = COMBOS[i % len(COMBOS)]
+            combo, storage = COMBOS[i % len(COMBOS)], STORAGE[i % len(STORAGE)]
             i += 1
             try:
-                r = run_case(name, D, T, L, combo, seed=i)
+                r = run_case(name, D, T, L, combo, seed=i, storage=storage)
             except Exception as exc:  # noqa: BLE001 (a case that fails to run is a failed case)
                 r = {"scheme": name, "B": combo[0], "Hq": combo[1] * combo[2], "Hkv": combo[2],
                      "D": D, "T": T, "L": L, "dtype": str(combo[3]).split(".")[-1], "mask": "",
+                     "storage": storage,
                      "max_abs_diff": f"error: {str(exc)[:200]}", "ok": False}
             lines.append("| " + " | ".join(_fmt(r[c]) for c in head) + " |")
             print(lines[-1], flush=True)

@@ -59,15 +59,20 @@ class Shape:
 
 @dataclass
 class Case:
-    """``run()`` is one attention call; ``check()`` is its max abs difference from the
-    family's full-context reference (``attend_quantized`` / ``attend_encoded``), "-" for
-    the baselines, which are not ours to check."""
+    """``run(q)`` is one attention call of queries ``q`` (B, H_q, 1, D) over the case's K/V,
+    returning the same shape and dtype, so calls chain (see ``measure``); ``check()`` is its
+    max abs difference from the family's full-context reference (``attend_quantized`` /
+    ``attend_encoded``), "-" for the baselines, which are not ours to check."""
 
     name: str
-    run: Callable[[], mx.array]
+    run: Callable[[mx.array], mx.array]
     kv_bytes: int
     check: Callable[[], float | str]
-    inputs: list
+    inputs: list  # queries first
+
+    @property
+    def queries(self) -> mx.array:
+        return self.inputs[0]
 
 
 def _nbytes(arrays) -> int:
@@ -87,7 +92,7 @@ def _rand(shape: Shape, seed: int) -> tuple[mx.array, mx.array, mx.array]:
 def _fp16_case(shape: Shape) -> Case:
     q, k, v = _rand(shape, 0)
     scale = shape.D ** -0.5
-    run = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    run = lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=scale)
     return Case("fp16 mx.fast.sdpa", run, k.nbytes + v.nbytes, lambda: "-", [q, k, v])
 
 
@@ -95,8 +100,8 @@ def _mlx_lm_case(shape: Shape) -> Case:
     q, k, v = _rand(shape, 0)
     qk, qv = mx.quantize(k, group_size=64, bits=4), mx.quantize(v, group_size=64, bits=4)
     scale = shape.D ** -0.5
-    run = lambda: quantized_scaled_dot_product_attention(
-        q, qk, qv, scale=scale, mask=None, group_size=64, bits=4)
+    run = lambda x: quantized_scaled_dot_product_attention(
+        x, qk, qv, scale=scale, mask=None, group_size=64, bits=4)
     return Case(f"{UNFUSED} quantized sdpa 4-bit", run, _nbytes(qk) + _nbytes(qv), lambda: "-",
                 [q, *qk, *qv])
 
@@ -106,10 +111,10 @@ def _affine_case(scheme_name: str, shape: Shape, path: str) -> Case:
     kp, vp = tuple(quantize_parts(k, scheme.keys)), tuple(quantize_parts(v, scheme.values))
     kf, vf, scale = QuantizedFormat(scheme.keys), QuantizedFormat(scheme.values), shape.D ** -0.5
     fn = _path(path)
-    run = lambda: fn(q, kf, kp, vf, vp, scale, None)
+    run = lambda x: fn(x, kf, kp, vf, vp, scale, None)
     want = lambda: attend_quantized(q, kp, vp, scale, None, scheme.keys, scheme.values)
     return Case(f"ours {scheme_name} ({path})", run, _nbytes(kp) + _nbytes(vp),
-                lambda: _diff(run(), want, shape.T), [q, *kp, *vp])
+                lambda: _diff(run(q), want, shape.T), [q, *kp, *vp])
 
 
 def _turbo_case(scheme_name: str, shape: Shape, path: str) -> Case:
@@ -117,10 +122,10 @@ def _turbo_case(scheme_name: str, shape: Shape, path: str) -> Case:
     kf, vf = make_format(scheme.keys, shape.D), make_format(scheme.values, shape.D)
     kp, vp = _encode_in_chunks(kf, k), _encode_in_chunks(vf, v)
     scale, fn = shape.D ** -0.5, _path(path)
-    run = lambda: fn(q, kf, kp, vf, vp, scale, None)
+    run = lambda x: fn(x, kf, kp, vf, vp, scale, None)
     want = lambda: attend_encoded(q, kf, kp, vf, vp, scale, None)
     return Case(f"ours {scheme_name} ({path})", run, _nbytes(kp) + _nbytes(vp),
-                lambda: _diff(run(), want, shape.T), [q, *kp, *vp])
+                lambda: _diff(run(q), want, shape.T), [q, *kp, *vp])
 
 
 def _encode_in_chunks(fmt, x: mx.array, chunk: int = 4096) -> tuple[mx.array, ...]:
@@ -168,28 +173,32 @@ def measure(case: Case, repeats: int = 5, warmup: int = 2, calls: int = 1) -> di
     """Median time, K/V bytes read per ms -> GB/s, peak memory (all live arrays, K/V
     included) and the part of it the call itself added.
 
-    ``ms`` times ``mx.eval`` of ``calls`` independent calls whose graphs were built before
-    the clock started, divided by ``calls``: on a GPU that is the device's work (one
-    synchronisation per call would otherwise be part of every sub-millisecond figure).
-    ``build_ms`` is the Python time to build one call's graph, reported apart: in a model
-    step it overlaps the device's work on earlier layers."""
+    ``ms`` times ``mx.eval`` of a chain of ``calls`` calls, each taking the previous call's
+    output as its queries, whose graphs were built before the clock started, divided by
+    ``calls``: on a GPU that is the device's work for one call after another, as the layers
+    of a model step run (independent calls could overlap on the device, and one
+    synchronisation per call would be part of every sub-millisecond figure). ``build_ms``
+    is the Python time to build one call's graph, reported apart: in a model step it
+    overlaps the device's work on earlier layers."""
     mx.eval(case.inputs)
     for _ in range(warmup):
-        mx.eval(case.run())
+        mx.eval(case.run(case.queries))
     times, builds = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        outs = [case.run() for _ in range(calls)]
+        x = case.queries
+        for _ in range(calls):
+            x = case.run(x)
         t1 = time.perf_counter()
-        mx.eval(outs)
+        mx.eval(x)
         times.append((time.perf_counter() - t1) / calls)
         builds.append((t1 - t0) / calls)
-        del outs
+        del x
     ms = 1e3 * statistics.median(times)
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    mx.eval(case.run())
+    mx.eval(case.run(case.queries))
     peak = mx.get_peak_memory()
     return {"name": case.name, "ms": round(ms, 3), "build_ms": round(1e3 * statistics.median(builds), 3),
             "kv_MiB": round(case.kv_bytes / MiB, 2),
@@ -198,16 +207,19 @@ def measure(case: Case, repeats: int = 5, warmup: int = 2, calls: int = 1) -> di
 
 
 def copy_bandwidth(n_bytes: int = 256 * MiB, repeats: int = 5, calls: int = 1) -> float:
-    """GB/s of ``x + 0`` over n_bytes of f32: reads n_bytes and writes n_bytes (best of
-    ``repeats``, each ``calls`` independent copies evaluated together)."""
+    """GB/s of ``x + 1`` over n_bytes of f32: reads n_bytes and writes n_bytes (best of
+    ``repeats``, each a chain of ``calls`` such copies evaluated together, as ``measure``
+    chains attention calls)."""
     x = mx.zeros((n_bytes // 4,), mx.float32)
     mx.eval(x)
     mx.eval(x + 0)
     times = []
     for _ in range(repeats):
-        outs = [x + i for i in range(calls)]
+        y = x
+        for _ in range(calls):
+            y = y + 1
         t0 = time.perf_counter()
-        mx.eval(outs)
+        mx.eval(y)
         times.append((time.perf_counter() - t0) / calls)
-        del outs
+        del y
     return round(2 * n_bytes / (min(times) * 1e9), 2)

@@ -52,11 +52,12 @@ MAX_RB = 8  # query rows per block: the value accumulator is RB x 8 registers pe
 TARGET_BLOCKS = 2048
 V_BATCH = 8  # value-slice loads a thread issues before using the first (16 measured slower)
 # The tensor-core pass: blocks to aim for, warps per block, 16-token tiles per warp step
-# (``mma_plan``). On an H100 at T=32K (B=8, 8 KV heads) every mix of 64-1024 blocks, 1-8
-# warps and 1-2 tiles measured within ~10% of the best for affine4 except the largest
-# (more blocks and warps were slower, not faster); 256 x 2 x 1 was among the best for
-# affine4, turbo0v4 and turbo8v3 alike.
-MMA_TARGET_BLOCKS = 256
+# (``mma_plan``). At 160 registers per thread (affine4) an H100 SM holds 12 warps; the
+# pass waits mostly on global loads, so it wants them all. Measured at T=32K (B=8, 8 KV
+# heads, calls chained as in a model step), affine4 ms for blocks x warps: 256x2 0.277,
+# 192x8 0.277, 512x4 0.301, 256x4 0.231, 384x4 0.231, 768x2 0.223. Two tiles per step
+# need 243 registers (8 warps per SM) for no fewer instructions per token.
+MMA_TARGET_BLOCKS = 768
 MMA_WARPS = 2
 MMA_STEP_TILES = 1
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y / gridDim.z (splits / B * H_kv)
@@ -216,18 +217,29 @@ def _split_kernel(key: Layout, value: Layout, mask: int):
 
 
 @functools.cache
-def _mma_kernel(key: Layout, value: Layout, mask: int, kfast: bool, vfast: bool):
+def _mma_kernel(key: Layout, value: Layout, mask: int, kfast: bool, vfast: bool,
+                consts: tuple[tuple[str, Any], ...]):
+    """The tensor-core split pass with its compile-time constants written into the source
+    (``constexpr`` / ``using`` lines) instead of passed as template arguments: the source is
+    built once per shape family here, where MLX would convert and format every template
+    argument again on each call of the kernel."""
     names = ["q", "sc"] + [f"k{i}" for i in range(key.n_parts)] + \
         [f"v{i}" for i in range(value.n_parts)]
     names += ["mask"] * (mask >= 2) + ["vlut_in"] * (value.kind == "turbo")
     tag = f"{key.kind}{key.bits}g{key.group}_{value.kind}{value.bits}g{value.group}_m{mask}"
     tag += f"_f{int(kfast)}{int(vfast)}"
-    source = mma_source(key, value, mask, kfast, vfast)
+    lines = [f"  using {k} = {_C_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};"
+             for k, v in consts]
+    source = "\n".join(lines) + "\n" + mma_source(key, value, mask, kfast, vfast)
     header = HEADER + MMA_HEADER
     return mx.fast.cuda_kernel(
         name=kernel_name(f"kvs_attn_mma_{tag}", header, source, *names),
         input_names=names, output_names=["o_part", "ml_part"],
         source=source, header=header, ensure_row_contiguous=False)
+
+
+_C_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
+            mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.bool_: "bool", mx.int32: "int32_t"}
 
 
 @functools.cache
@@ -271,7 +283,15 @@ def _rotate(x: mx.array, m: mx.array) -> mx.array:
 
 
 def _lut(fmt) -> mx.array:
-    return fmt.codec.centroids.astype(F32)
+    return _centroids(fmt.codec)
+
+
+@functools.cache
+def _centroids(codec) -> mx.array:
+    """A codec's centroids in f32, once per codec (codecs compare by dim, bits and seed)."""
+    c = codec.centroids.astype(F32)
+    mx.eval(c)
+    return c
 
 
 def supported(queries: mx.array, key: Layout | None, value: Layout | None) -> bool:
@@ -349,29 +369,116 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
                 key_scale: mx.array | None = None) -> mx.array:
     """Attention of (B, H_q, L, D) queries over stored K/V parts (B, H_kv, T, W): the
     fused kernels where they apply, else the blockwise reference. Returns the queries'
-    dtype, (B, H_q, L, D)."""
-    B, Hq, L, D = queries.shape
-    Hkv, T = keys[0].shape[1], keys[0].shape[2]
-    kl, vl = layout_of(key_fmt, keys, D), layout_of(value_fmt, values, D)
-    if not supported(queries, kl, vl) or Hq % Hkv or T == 0 \
-            or not launchable(queries, kl, vl, keys, values, mask, key_fmt, value_fmt):
+    dtype, (B, H_q, L, D).
+
+    A decode step calls this once per layer with the same shapes but T, so what does not
+    depend on T (formats, layouts, which pass, its compiled kernel and constants) is
+    worked out once per shape family (``_family_plan``); per call remain the checks and
+    the launch shape that involve T."""
+    T = keys[0].shape[2]
+    fam = _family_plan(queries.shape, queries.dtype, _parts_key(keys), _parts_key(values),
+                       _fmt_key(key_fmt), _fmt_key(value_fmt), _mask_key(mask), key_scale is None,
+                       key_fmt, value_fmt, keys, values, mask)
+    if fam is None or T == 0 or T > MAX_ELEMS - TT or any(a.shape[2] != T for a in (*keys, *values)) \
+            or not _mask_fits(mask, queries.shape, T):
         return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale)
-    kind = mask_kind(mask, L)
+    kl, vl, kind = fam.kl, fam.vl, fam.mask_kind
     mask_in = [_mask4(mask)] if kind >= 2 else []
-    if tensor_cores(queries, kl, vl, keys):
-        o_part, ml_part = _mma_pass(queries, kl, vl, keys, values, scale, kind, mask_in, value_fmt)
+    if fam.mma is not None:
+        o_part, ml_part = _mma_pass(queries, fam, keys, values, scale, mask_in, value_fmt)
     else:
         o_part, ml_part = _f32_pass(queries, kl, vl, keys, values, scale, kind, mask_in,
                                     key_fmt, value_fmt, key_scale)
+    B, Hq, L, D = queries.shape
     turbo_v = vl.kind == "turbo"
     out_dtype = F32 if turbo_v else queries.dtype
-    n = B * Hq * L * D
     (out,) = _merge_kernel()(
-        inputs=[o_part, ml_part], template=[("OT", out_dtype)], grid=(n, 1, 1),
+        inputs=[o_part, ml_part], template=[("OT", out_dtype)], grid=(B * Hq * L * D, 1, 1),
         threadgroup=(256, 1, 1), output_shapes=[(B, Hq, L, D)], output_dtypes=[out_dtype])
     if turbo_v:  # one inverse rotation of the merged accumulator (``value_fmt.finish``)
         out = _rotate(out, value_fmt.codec.pi).reshape(B, Hq, L, D).astype(queries.dtype)
     return out
+
+
+@dataclass(frozen=True)
+class FamilyPlan:
+    """What ``attend_cuda`` decides once per shape family (everything but T): the layouts,
+    the mask kind and, for the tensor-core pass, its kernel and constants."""
+
+    kl: Layout
+    vl: Layout
+    mask_kind: int
+    mma: Any = None  # the compiled tensor-core kernel, or None for the f32 pass
+
+
+def _parts_key(parts: tuple[mx.array, ...]) -> tuple:
+    """Shapes without T (axis 2) and dtypes of stored parts."""
+    return tuple((a.ndim, a.shape[:2], a.shape[3:], a.dtype) for a in parts)
+
+
+def _fmt_key(fmt) -> tuple:
+    """What a format object contributes to its layout: its class and parameters (turbo
+    codecs compare by dim, bits and seed)."""
+    return (type(fmt), getattr(fmt, "fmt", None), getattr(fmt, "codec", None),
+            getattr(fmt, "bits", None), getattr(fmt, "group_size", None))
+
+
+def _mask_key(mask: Any) -> Any:
+    return mask if mask is None or isinstance(mask, str) else (mask.ndim, mask.dtype)
+
+
+def _mask_fits(mask: Any, q_shape: tuple, T: int) -> bool:
+    """An array mask's dims are each 1 or the full (B, H_q, L, T) (see ``launchable``)."""
+    if mask is None or isinstance(mask, str):
+        return True
+    B, Hq, L, _ = q_shape
+    return all(n in (1, full) for n, full in zip(_mask4(mask).shape, (B, Hq, L, T)))
+
+
+_FAMILIES_MAX = 256  # shape families kept (a server sees a handful: one per batch shape)
+_families: dict[tuple, FamilyPlan | None] = {}
+
+
+def _family_plan(q_shape, q_dtype, kkey, vkey, kfkey, vfkey, mkey, no_key_scale,
+                 key_fmt, value_fmt, keys, values, mask) -> FamilyPlan | None:
+    """The ``FamilyPlan`` of this call's shape family, or None when the kernels do not
+    serve it (the reference does); computed on the family's first call."""
+    key = (q_shape, q_dtype, kkey, vkey, kfkey, vfkey, mkey, no_key_scale)
+    if key in _families:
+        return _families[key]
+    plan_ = _new_family_plan(q_shape, q_dtype, key_fmt, value_fmt, keys, values, mask)
+    if len(_families) >= _FAMILIES_MAX:
+        _families.clear()
+    _families[key] = plan_
+    return plan_
+
+
+def _new_family_plan(q_shape, q_dtype, key_fmt, value_fmt, keys, values, mask) -> FamilyPlan | None:
+    B, Hq, L, D = q_shape
+    Hkv = keys[0].shape[1]
+    probe = mx.zeros((B, Hq, L, D), q_dtype)  # shapes and dtype only; never evaluated
+    kl, vl = layout_of(key_fmt, keys, D), layout_of(value_fmt, values, D)
+    if not supported(probe, kl, vl) or Hq % Hkv \
+            or not launchable(probe, kl, vl, keys, values, mask, key_fmt, value_fmt):
+        return None
+    kind = mask_kind(mask, L)
+    if not tensor_cores(probe, kl, vl, keys):
+        return FamilyPlan(kl, vl, kind)
+    rows = (Hq // Hkv) * L
+    p = mma_plan(B * Hkv, rows, 1 << 20, D)  # T-independent fields only (nr, tm, warps)
+    (kec, kvec), (vec, vvec) = chunking(kl, D // 4), chunking(vl, D // 8)
+    kfast, vfast = fast_affine(kl, keys, q_dtype), fast_affine(vl, values, q_dtype)
+    consts = [("D", D), ("NR", p.nr), ("TM", p.tm), ("NWP", p.warps), ("MASK", kind), ("ACT", q_dtype),
+              ("KEC", kec), ("KVEC", kvec), ("KBITS", kl.bits), ("KGS", kl.group or 32),
+              ("VEC", vec), ("VVEC", vvec), ("VBITS", vl.bits), ("VGS", vl.group or 32),
+              ("VWORDS", max(vl.words, 1))]
+    # Row widths of the parts: a part whose token stride equals its width is packed.
+    consts += [(f"{role.upper()}{i}W", w) for role, layout in (("k", kl), ("v", vl))
+               for i, w in enumerate(part_widths(layout, D))]
+    inputs = [q_dtype, F32, *(a.dtype for a in keys), *(a.dtype for a in values)]
+    inputs += ([mask.dtype] if kind >= 2 else []) + [F32] * (vl.kind == "turbo")
+    consts += [(f"DT{i}", dt) for i, dt in enumerate(inputs)]
+    return FamilyPlan(kl, vl, kind, _mma_kernel(kl, vl, kind, kfast, vfast, tuple(consts)))
 
 
 def _f32_pass(queries, kl, vl, keys, values, scale, kind, mask_in, key_fmt, value_fmt, key_scale):
@@ -421,7 +528,7 @@ def mma_plan(bh: int, rows: int, T: int, D: int, target: int = 0) -> MmaPlan:
     at least one per warp where the context allows).
 
         >>> mma_plan(64, 4, 32768, 128)
-        MmaPlan(nr=1, tm=1, row_tiles=1, splits=4, warps=2)
+        MmaPlan(nr=1, tm=1, row_tiles=1, splits=12, warps=2)
         >>> mma_plan(3, 12, 65, 256)
         MmaPlan(nr=1, tm=1, row_tiles=2, splits=3, warps=2)
     """
@@ -462,23 +569,17 @@ def fast_affine(layout: Layout, parts: tuple[mx.array, ...], act: mx.Dtype) -> b
             and (layout.bits == 4 or act == mx.float16))
 
 
-def _mma_pass(queries, kl, vl, keys, values, scale, kind, mask_in, value_fmt):
+def _mma_pass(queries, fam: FamilyPlan, keys, values, scale, mask_in, value_fmt):
     B, Hq, L, D = queries.shape
     Hkv, T = keys[0].shape[1], keys[0].shape[2]
     rows = (Hq // Hkv) * L
     inputs = [queries, _scalar(float(scale)), *keys, *values, *mask_in]
-    if vl.kind == "turbo":
+    if fam.vl.kind == "turbo":
         inputs.append(_lut(value_fmt))
     p = mma_plan(B * Hkv, rows, T, D)
-    (kec, kvec), (vec, vvec) = chunking(kl, D // 4), chunking(vl, D // 8)
-    kfast, vfast = fast_affine(kl, keys, queries.dtype), fast_affine(vl, values, queries.dtype)
-    consts = [("D", D), ("NR", p.nr), ("TM", p.tm), ("NWP", p.warps), ("MASK", kind), ("ACT", queries.dtype),
-              ("KEC", kec), ("KVEC", kvec), ("KBITS", kl.bits), ("KGS", kl.group or 32),
-              ("VEC", vec), ("VVEC", vvec), ("VBITS", vl.bits), ("VGS", vl.group or 32),
-              ("VWORDS", max(vl.words, 1))]
-    return _mma_kernel(kl, vl, kind, kfast, vfast)(
-        inputs=inputs, template=consts + [(f"DT{i}", a.dtype) for i, a in enumerate(inputs)],
-        grid=(p.row_tiles * p.warps * 32, p.splits, B * Hkv), threadgroup=(p.warps * 32, 1, 1),
+    return fam.mma(
+        inputs=inputs, grid=(p.row_tiles * p.warps * 32, p.splits, B * Hkv),
+        threadgroup=(p.warps * 32, 1, 1),
         output_shapes=[(p.splits, B * Hkv, rows, D), (p.splits, B * Hkv, rows, 2)],
         output_dtypes=[F32, F32])
 

@@ -80,8 +80,16 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
 template <typename AT> struct Magic;
 template <> struct Magic<__half> {
   static constexpr uint32_t M = 0x64006400u;
+  static constexpr bool HI_NIBBLE = true;  // 1024 + 16 n (n < 16) stays in the mantissa
   static __device__ __forceinline__ uint32_t fma(uint32_t h, uint32_t s2, uint32_t z2) {
     __half2 x = __hsub2(*reinterpret_cast<__half2*>(&h), __half2half2(__ushort_as_half(0x6400)));
+    x = __hfma2(x, *reinterpret_cast<__half2*>(&s2), *reinterpret_cast<__half2*>(&z2));
+    return *reinterpret_cast<uint32_t*>(&x);
+  }
+  // (1024 + 16 n) / 16 - 64 = n exactly, then s n + z: the same single rounding as fma().
+  static __device__ __forceinline__ uint32_t fma_hi(uint32_t h, uint32_t s2, uint32_t z2) {
+    __half2 x = __hfma2(*reinterpret_cast<__half2*>(&h), __half2half2(__ushort_as_half(0x2c00)),
+                        __half2half2(__ushort_as_half(0xd400)));  // * 1/16, - 64
     x = __hfma2(x, *reinterpret_cast<__half2*>(&s2), *reinterpret_cast<__half2*>(&z2));
     return *reinterpret_cast<uint32_t*>(&x);
   }
@@ -92,17 +100,30 @@ template <> struct Magic<__half> {
 };
 template <> struct Magic<__nv_bfloat16> {
   static constexpr uint32_t M = 0x43004300u;
+  static constexpr bool HI_NIBBLE = false;  // bit 7 of a bf16 is the exponent's lowest
   static __device__ __forceinline__ uint32_t fma(uint32_t h, uint32_t s2, uint32_t z2) {
     __nv_bfloat162 x = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&h),
                                __bfloat162bfloat162(__ushort_as_bfloat16(0x4300)));
     x = __hfma2(x, *reinterpret_cast<__nv_bfloat162*>(&s2), *reinterpret_cast<__nv_bfloat162*>(&z2));
     return *reinterpret_cast<uint32_t*>(&x);
   }
+  static __device__ __forceinline__ uint32_t fma_hi(uint32_t h, uint32_t s2, uint32_t z2) {
+    return fma(h, s2, z2);  // unused: HI_NIBBLE is false
+  }
   static __device__ __forceinline__ uint32_t splat(__nv_bfloat16 v) {
     __nv_bfloat162 x = __bfloat162bfloat162(v);
     return *reinterpret_cast<uint32_t*>(&x);
   }
 };
+
+// (a & MASK) | OR in one instruction: written as C++ the compiler emits two LOP3s, because
+// one LOP3 takes one 32-bit immediate; here ptxas keeps one of the constants in a register.
+template <uint32_t MASK, uint32_t OR>
+__device__ __forceinline__ uint32_t and_or(uint32_t a) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(a), "n"(MASK), "n"(OR));
+  return d;
+}
 
 // A lane's run of N elements of one token row, in two stages: load() issues the global
 // reads into registers (a step ahead of use), decode() makes N / 2 f16 / bf16 pairs.
@@ -136,9 +157,19 @@ struct AffineRun {  // scales and biases in AT; pairs as ``Magic`` says
     for (int m = 0; m < NWD; ++m) {
       const int gi = NGR > 1 ? (m * EPW) / GS : 0;
       const uint32_t s2 = Magic<AT>::splat(s[gi]), z2 = Magic<AT>::splat(z[gi]);
+      if constexpr (BITS == 4 && Magic<AT>::HI_NIBBLE) {
+        // Pairs (p, p + 4), p = 0..3: nibbles 0 and 1 of each half-word masked in place
+        // (the second at 16 n), then the same for the word shifted by 8: one shift per word.
+        const uint32_t u8 = u[m] >> 8;
+        out[m * 4 + 0] = Magic<AT>::fma(and_or<0x000F000Fu, Magic<AT>::M>(u[m]), s2, z2);
+        out[m * 4 + 1] = Magic<AT>::fma_hi(and_or<0x00F000F0u, Magic<AT>::M>(u[m]), s2, z2);
+        out[m * 4 + 2] = Magic<AT>::fma(and_or<0x000F000Fu, Magic<AT>::M>(u8), s2, z2);
+        out[m * 4 + 3] = Magic<AT>::fma_hi(and_or<0x00F000F0u, Magic<AT>::M>(u8), s2, z2);
+      } else {
 #pragma unroll
-      for (int p = 0; p < PPW; ++p)
-        out[m * PPW + p] = Magic<AT>::fma(((u[m] >> (BITS * p)) & MASK) | Magic<AT>::M, s2, z2);
+        for (int p = 0; p < PPW; ++p)
+          out[m * PPW + p] = Magic<AT>::fma(and_or<MASK, Magic<AT>::M>(u[m] >> (BITS * p)), s2, z2);
+      }
     }
   }
 };
@@ -173,6 +204,157 @@ struct LutRun {
 
 # Template constants: D, NR (8-row tiles of queries per block), TM (16-token tiles per
 # step), MASK, ACT (the queries' dtype), and the formats' own (see ``mma_source``).
+WALK = r"""
+  if (packed == __PK__) {  // generated twice: packed rows, then run-time strides
+    constexpr bool PK = __PK__;
+__STRIDES__
+  auto load = [&](int st, bool E, KRun (&kr)[TM][2], VRun (&vr)[TM][4]) {
+    const int t0 = st * STEP;
+#pragma unroll
+    for (int mt = 0; mt < TM; ++mt) {
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int t = E ? min(t0 + 16 * mt + g + 8 * hi, T - 1) : t0 + 16 * mt + g + 8 * hi;
+__K_LOAD__
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int tk = t0 + 16 * mt + 2 * c + (k & 1) + 8 * (k >> 1);
+        const int t = E ? min(tk, T - 1) : tk;
+__V_LOAD__
+      }
+    }
+  };
+  auto compute = [&](int st, bool E, const KRun (&kr)[TM][2], const VRun (&vr)[TM][4]) {
+    const int t0 = st * STEP;
+__V_NORMS__
+    float s[TM][NR][4];
+#pragma unroll
+    for (int mt = 0; mt < TM; ++mt) {  // scores of tokens t0 + 16 mt + (g, g + 8)
+      uint32_t kk[2][KP];  // tokens g, g + 8
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int t = E ? min(t0 + 16 * mt + g + 8 * hi, T - 1) : t0 + 16 * mt + g + 8 * hi;
+__K_DECODE__
+      }
+#pragma unroll
+      for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nr][e] = 0.f;
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        const uint32_t af[4] = {kk[0][2 * j], kk[1][2 * j], kk[0][2 * j + 1], kk[1][2 * j + 1]};
+#pragma unroll
+        for (int nr = 0; nr < NR; ++nr) A::mma(s[mt][nr], af, qf[nr][j]);
+      }
+#pragma unroll
+      for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + 16 * mt + g + 8 * (e >> 1), row = row0 + 8 * nr + 2 * c + (e & 1);
+          float sv = s[mt][nr][e] * scale;
+          if (MASK != 0 && row < ROWS && (!E || t < T)) {
+            const int l = row % L;
+__MASK__
+          }
+          s[mt][nr][e] = !E || t < T ? sv : -INFINITY;
+        }
+    }
+    // Online softmax: lanes of one c hold the same two rows; reduce over g. The running
+    // max moves (and the accumulators are rescaled) only in steps where some row's max
+    // grows, which after the first steps is rare: the other steps skip 2 exps and
+    // D / 4 multiplies per row pair.
+    float m_new[NR][2];
+    bool grow = false;
+#pragma unroll
+    for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int mt = 0; mt < TM; ++mt) mx = fmaxf(mx, fmaxf(s[mt][nr][i], s[mt][nr][2 + i]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        m_new[nr][i] = fmaxf(m_r[nr][i], mx);
+        grow |= m_new[nr][i] > m_r[nr][i];
+      }
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+      for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float alpha = __expf(m_r[nr][i] - (m_new[nr][i] == -INFINITY ? 0.f : m_new[nr][i]));
+          m_r[nr][i] = m_new[nr][i];
+          l_r[nr][i] *= alpha;
+#pragma unroll
+          for (int dm = 0; dm < D / 16; ++dm) { o[dm][nr][i] *= alpha; o[dm][nr][2 + i] *= alpha; }
+        }
+    }
+#pragma unroll
+    for (int nr = 0; nr < NR; ++nr)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float base = m_r[nr][i] == -INFINITY ? 0.f : m_r[nr][i];
+        float sum = 0.f;
+#pragma unroll
+        for (int mt = 0; mt < TM; ++mt)
+#pragma unroll
+          for (int hi = 0; hi < 2; ++hi) {
+            const float p = __expf(s[mt][nr][2 * hi + i] - base);
+            s[mt][nr][2 * hi + i] = p;
+            sum += p;
+          }
+        l_r[nr][i] += sum;
+      }
+#pragma unroll
+    for (int mt = 0; mt < TM; ++mt) {  // values of tokens t0 + 16 mt + (2c, 2c+1, 2c+8, 2c+9)
+__P_SCALE__
+      uint32_t vv[4][VP];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int tk = t0 + 16 * mt + 2 * c + (k & 1) + 8 * (k >> 1);
+        const int t = E ? min(tk, T - 1) : tk;
+__V_DECODE__
+      }
+      uint32_t pb[NR][2];
+#pragma unroll
+      for (int nr = 0; nr < NR; ++nr) {
+        pb[nr][0] = kvt::transpose8x8(A::pack(s[mt][nr][0], s[mt][nr][1]));
+        pb[nr][1] = kvt::transpose8x8(A::pack(s[mt][nr][2], s[mt][nr][3]));
+      }
+#pragma unroll
+      for (int dm = 0; dm < D / 16; ++dm) {
+        const uint32_t af[4] = {__byte_perm(vv[0][dm], vv[1][dm], 0x5410),
+                                __byte_perm(vv[0][dm], vv[1][dm], 0x7632),
+                                __byte_perm(vv[2][dm], vv[3][dm], 0x5410),
+                                __byte_perm(vv[2][dm], vv[3][dm], 0x7632)};
+#pragma unroll
+        for (int nr = 0; nr < NR; ++nr) A::mma(o[dm][nr], af, pb[nr]);
+      }
+    }
+  };
+  constexpr bool full = false, edge = true;
+  KRun ka[TM][2], kb[TM][2];
+  VRun va[TM][4], vb[TM][4];
+  const int f_end = min(s_end, n_full);
+  int st = s_begin + warp;
+  if (st < f_end) load(st, full, ka, va);
+  for (; st < f_end; st += 2 * NWP) {  // two steps per trip: the buffers alternate
+    if (st + NWP < f_end) load(st + NWP, full, kb, vb);
+    compute(st, full, ka, va);
+    if (st + NWP >= f_end) break;
+    if (st + 2 * NWP < f_end) load(st + 2 * NWP, full, ka, va);
+    compute(st + NWP, full, kb, vb);
+  }
+  if (s_end > n_full && warp == (n_full - s_begin) % NWP) {  // the last, partial step
+    load(n_full, edge, ka, va);
+    compute(n_full, edge, ka, va);
+  }
+  }
+
+"""
+
 MMA_BODY = r"""
   using A = kvt::Act<ACT>;
   // Pair k of a lane's decoded run holds elements (KX(k), KY(k)) of its key run and
@@ -227,126 +409,17 @@ __V_BASE__
       for (int e = 0; e < 4; ++e) o[dm][nr][e] = 0.f;
   }
 
-  // Step st of this warp reads its K/V (load) one step before it uses them (compute).
+  // Rows of every part are packed (token stride = row width, as in the caches' buffers):
+  // token strides are then compile-time constants and a step's loads use immediate
+  // offsets from one pointer per part; anything else takes the same code with run-time
+  // strides. Steps whose 16 TM tokens are all below T (all but the last, when T is not a
+  // multiple of STEP) skip clamping and bounds checks; step st of a warp reads its K/V
+  // (load) one step before it uses them (compute).
+  const bool packed = __PACKED__;
+  const int n_full = T / STEP;
   using KRun = __K_RUN__;
   using VRun = __V_RUN__;
-  auto load = [&](int st, KRun (&kr)[TM][2], VRun (&vr)[TM][4]) {
-    const int t0 = st * STEP;
-#pragma unroll
-    for (int mt = 0; mt < TM; ++mt) {
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const int t = min(t0 + 16 * mt + g + 8 * hi, T - 1);
-__K_LOAD__
-      }
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int t = min(t0 + 16 * mt + 2 * c + (k & 1) + 8 * (k >> 1), T - 1);
-__V_LOAD__
-      }
-    }
-  };
-  auto compute = [&](int st, const KRun (&kr)[TM][2], const VRun (&vr)[TM][4]) {
-    const int t0 = st * STEP;
-__V_NORMS__
-    float s[TM][NR][4];
-#pragma unroll
-    for (int mt = 0; mt < TM; ++mt) {  // scores of tokens t0 + 16 mt + (g, g + 8)
-      uint32_t kk[2][KP];  // tokens g, g + 8
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const int t = min(t0 + 16 * mt + g + 8 * hi, T - 1);
-__K_DECODE__
-      }
-#pragma unroll
-      for (int nr = 0; nr < NR; ++nr)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nr][e] = 0.f;
-#pragma unroll
-      for (int j = 0; j < D / 16; ++j) {
-        const uint32_t af[4] = {kk[0][2 * j], kk[1][2 * j], kk[0][2 * j + 1], kk[1][2 * j + 1]};
-#pragma unroll
-        for (int nr = 0; nr < NR; ++nr) A::mma(s[mt][nr], af, qf[nr][j]);
-      }
-#pragma unroll
-      for (int nr = 0; nr < NR; ++nr)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = t0 + 16 * mt + g + 8 * (e >> 1), row = row0 + 8 * nr + 2 * c + (e & 1);
-          float sv = s[mt][nr][e] * scale;
-          if (row < ROWS && t < T) {
-            const int l = row % L;
-__MASK__
-          }
-          s[mt][nr][e] = t < T ? sv : -INFINITY;
-        }
-    }
-    // Online softmax: lanes of one c hold the same two rows; reduce over g.
-#pragma unroll
-    for (int nr = 0; nr < NR; ++nr)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int mt = 0; mt < TM; ++mt) mx = fmaxf(mx, fmaxf(s[mt][nr][i], s[mt][nr][2 + i]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-        const float m_new = fmaxf(m_r[nr][i], mx);
-        const float base = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = __expf(m_r[nr][i] - base);
-        m_r[nr][i] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int mt = 0; mt < TM; ++mt)
-#pragma unroll
-          for (int hi = 0; hi < 2; ++hi) {
-            const float p = __expf(s[mt][nr][2 * hi + i] - base);
-            s[mt][nr][2 * hi + i] = p;
-            sum += p;
-          }
-        l_r[nr][i] = l_r[nr][i] * alpha + sum;
-#pragma unroll
-        for (int dm = 0; dm < D / 16; ++dm) { o[dm][nr][i] *= alpha; o[dm][nr][2 + i] *= alpha; }
-      }
-#pragma unroll
-    for (int mt = 0; mt < TM; ++mt) {  // values of tokens t0 + 16 mt + (2c, 2c+1, 2c+8, 2c+9)
-__P_SCALE__
-      uint32_t vv[4][VP];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int t = min(t0 + 16 * mt + 2 * c + (k & 1) + 8 * (k >> 1), T - 1);
-__V_DECODE__
-      }
-      uint32_t pb[NR][2];
-#pragma unroll
-      for (int nr = 0; nr < NR; ++nr) {
-        pb[nr][0] = kvt::transpose8x8(A::pack(s[mt][nr][0], s[mt][nr][1]));
-        pb[nr][1] = kvt::transpose8x8(A::pack(s[mt][nr][2], s[mt][nr][3]));
-      }
-#pragma unroll
-      for (int dm = 0; dm < D / 16; ++dm) {
-        const uint32_t af[4] = {__byte_perm(vv[0][dm], vv[1][dm], 0x5410),
-                                __byte_perm(vv[0][dm], vv[1][dm], 0x7632),
-                                __byte_perm(vv[2][dm], vv[3][dm], 0x5410),
-                                __byte_perm(vv[2][dm], vv[3][dm], 0x7632)};
-#pragma unroll
-        for (int nr = 0; nr < NR; ++nr) A::mma(o[dm][nr], af, pb[nr]);
-      }
-    }
-  };
-  KRun ka[TM][2], kb[TM][2];
-  VRun va[TM][4], vb[TM][4];
-  int st = s_begin + warp;
-  if (st < s_end) load(st, ka, va);
-  for (; st < s_end; st += 2 * NWP) {  // two steps per trip: the buffers alternate
-    if (st + NWP < s_end) load(st + NWP, kb, vb);
-    compute(st, ka, va);
-    if (st + NWP >= s_end) break;
-    if (st + 2 * NWP < s_end) load(st + 2 * NWP, ka, va);
-    compute(st + NWP, kb, vb);
-  }
-
+__WALK__
   // Merge the warps: each lane's rows 8 nr + 2c + i; sums over g first.
 #pragma unroll
   for (int nr = 0; nr < NR; ++nr)
@@ -417,7 +490,7 @@ def _decode(layout, role: str, out: str, n: str, first: str) -> str:
     """Decode ``n`` elements from element ``first`` of token t's row straight from memory
     (the formats without a ``run``) into pairs ``out[e]`` = (elements 2e, 2e + 1)."""
     U = role.upper()
-    rows = ", ".join(f"{role}{i}b + t * {role}{i}t" for i in range(layout.n_parts))
+    rows = ", ".join(f"{role}{i}b + t * {role}{i}s" for i in range(layout.n_parts))
     EC, V = f"{U}EC", f"{U}VEC"
     call = (f"kvs::affine_chunk<{U}BITS, {U}GS, {EC}, {V}>({rows}, ({first}) / {EC} + p, x + p * {EC});"
             if layout.kind == "affine" else
@@ -439,11 +512,11 @@ def run(layout, role: str, fast: bool) -> dict[str, str]:
     U = role.upper()
     n, first = ("KN", "c * KN") if role == "k" else ("VN", "g * VN")
     slot, out = ("kr[mt][hi]", "kk[hi]") if role == "k" else ("vr[mt][k]", "vv[k]")
-    rows = ", ".join(f"{role}{i}b + t * {role}{i}t" for i in range(layout.n_parts))
+    rows = ", ".join(f"{role}{i}b + t * {role}{i}s" for i in range(layout.n_parts))
     if layout.kind == "raw":
         kind = f"kvt::RawRun<ACT, {n}>"
     elif layout.kind == "turbo":
-        kind, rows = f"kvt::LutRun<ACT, {U}BITS, {n}, {U}WORDS>", f"{role}0b + t * {role}0t"
+        kind, rows = f"kvt::LutRun<ACT, {U}BITS, {n}, {U}WORDS>", f"{role}0b + t * {role}0s"
     elif fast:
         kind = f"kvt::AffineRun<ACT, {U}BITS, {U}GS, {n}, {U}VEC>"
     else:
@@ -463,20 +536,22 @@ def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: 
 
         >>> from kvserve.kernels.cuda_attention import Layout
         >>> src = mma_source(Layout("affine", 4, 64, 3, 16), Layout("turbo", 3, 0, 2, 12), 0)
-        >>> "__" in src.replace("__shfl", "").replace("__syncthreads", "").replace("__expf", "") \\
-        ...     .replace("__byte_perm", "").replace("__shared__", "").replace("__device__", "")
-        False
+        >>> import re
+        >>> re.findall(r"__[A-Z_]+__", src)   # every placeholder filled
+        []
     """
     from kvserve.kernels.cuda_source import component_code
 
-    body = MMA_BODY.replace("__MASK__", _mask(mask))
+    walk = WALK.replace("__PK__", "true") + WALK.replace("__PK__", "false")
+    body = MMA_BODY.replace("__WALK__", walk).replace("__MASK__", _mask(mask))
     lut = ""
     if value_layout.kind == "turbo":
         lut = f"  if (threadIdx.x < {1 << value_layout.bits}) vlut[threadIdx.x] = vlut_in[threadIdx.x];"
         norms = ("    float na[TM], nb[TM];  // value norms of tokens t0 + 16 mt + (g, g + 8)\n"
                  "#pragma unroll\n    for (int mt = 0; mt < TM; ++mt) {\n"
-                 "      na[mt] = v1b[min(t0 + 16 * mt + g, T - 1) * v1t];\n"
-                 "      nb[mt] = v1b[min(t0 + 16 * mt + g + 8, T - 1) * v1t]; }")
+                 "      const int ta = t0 + 16 * mt + g, tb = ta + 8;\n"
+                 "      na[mt] = v1b[(E ? min(ta, T - 1) : ta) * v1s];\n"
+                 "      nb[mt] = v1b[(E ? min(tb, T - 1) : tb) * v1s]; }")
         scale = ("#pragma unroll\n      for (int nr = 0; nr < NR; ++nr) {\n"
                  "        s[mt][nr][0] *= na[mt]; s[mt][nr][1] *= na[mt];\n"
                  "        s[mt][nr][2] *= nb[mt]; s[mt][nr][3] *= nb[mt]; }")
@@ -493,4 +568,8 @@ def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: 
     maps = [f"  auto {name} = [](int k) {{ return {expr}; }};"
             for name, expr in (("KX", kx), ("KY", ky), ("VX", vx), ("VY", vy))]
     body = body.replace("__PAIR_MAPS__", "\n".join(maps))
-    return body
+    parts = [f"{role}{i}" for role, layout in (("k", key_layout), ("v", value_layout))
+             for i in range(layout.n_parts)]
+    body = body.replace("__PACKED__", " && ".join(f"{x}t == {x.upper()}W" for x in parts))
+    strides = [f"    const int64_t {x}s = PK ? int64_t({x.upper()}W) : {x}t;" for x in parts]
+    return body.replace("__STRIDES__", "\n".join(strides))

@@ -69,15 +69,27 @@ class FusedKernel:
 
 
 _KERNELS: list[FusedKernel] = []
+# (device, format keys, L) -> the registered kernels that support such calls, in order:
+# ``supports`` looks at format objects only, and attention runs once per layer per step.
+_CANDIDATES: dict[tuple, tuple[FusedKernel, ...]] = {}
 
 
 def register_kernel(kernel: FusedKernel) -> None:
     """Offer a fused kernel to the dispatch (the later CUDA/Metal kernels call this)."""
     _KERNELS.append(kernel)
+    _CANDIDATES.clear()
 
 
 def unregister_kernel(name: str) -> None:
     _KERNELS[:] = [k for k in _KERNELS if k.name != name]
+    _CANDIDATES.clear()
+
+
+def _fmt_key(fmt) -> tuple:
+    """A format object by its class and parameters (the same objects are made afresh for
+    every call; turbo codecs compare by dim, bits and seed)."""
+    return (type(fmt), getattr(fmt, "fmt", None), getattr(fmt, "codec", None),
+            getattr(fmt, "bits", None), getattr(fmt, "group_size", None))
 
 
 def reference(*args, **kwargs) -> mx.array:
@@ -109,9 +121,13 @@ def self_check(kernel: FusedKernel, args: tuple, kwargs: dict) -> bool:
 
 
 def _fused_for(device: mx.DeviceType, key_fmt, value_fmt, L: int) -> FusedKernel | None:
-    for kernel in _KERNELS:
-        if kernel.device == device and kernel.checked is not False \
-                and kernel.supports(key_fmt, value_fmt, L):
+    key = (device, _fmt_key(key_fmt), _fmt_key(value_fmt), L)
+    candidates = _CANDIDATES.get(key)
+    if candidates is None:
+        candidates = _CANDIDATES[key] = tuple(
+            k for k in _KERNELS if k.device == device and k.supports(key_fmt, value_fmt, L))
+    for kernel in candidates:
+        if kernel.checked is not False:
             return kernel
     return None
 
