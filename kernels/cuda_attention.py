@@ -16,7 +16,7 @@ queries over affine, mxfp4 or raw keys and affine, mxfp4 or turbo values, and th
 (``kvserve.kernels.cuda_source``) otherwise: f32 queries, turbo keys.
 
 Worked example: B=8, 32 query heads over 8 KV heads (R=4), D=128, L=1, T=32768, f16. The 4
-query rows of a KV head fit one 8-row tile; 64 (b, h) pairs x 4 splits = 256 blocks of 2
+query rows of a KV head fit one 8-row tile; 64 (b, h) pairs x 12 splits = 768 blocks of 2
 warps, each warp walking steps of 16 tokens (``mma_plan``). Each block reads its tokens' K/V
 once.
 
@@ -28,7 +28,6 @@ the merge (``finish``), exactly as the reference does.
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +40,9 @@ from kvserve.kernels.cuda_source import (
     TT,
     split_source,
 )
+from kvserve.kernels.cuda_layout import Layout, kernel_name, layout_of, mask4, mask_kind, part_widths
 from kvserve.kernels.cuda_mma_source import MMA_HEADER, mma_source
-from kvserve.kernels.reference import attend_blockwise
+from kvserve.kernels.reference import attend_blockwise, format_key
 
 HEAD_DIMS = (64, 128, 256)
 MAX_L = 16  # decode and short chunks; longer prompts are compute-bound: the reference's matmuls
@@ -63,66 +63,6 @@ MMA_STEP_TILES = 1
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y / gridDim.z (splits / B * H_kv)
 MAX_ELEMS = (1 << 31) - 1  # MLX passes grid sizes as int: the merge launches B*H_q*L*D threads
 F32 = mx.float32
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What the kernel must know, at compile time, about one stored component.
-
-    kind "raw" / "affine" / "mx" (mxfp4) / "turbo"; ``bits``; ``group`` (affine group,
-    32 for mxfp4, 0 otherwise); ``n_parts`` stored arrays; ``words`` uint32 per token row
-    (0 for raw).
-
-        >>> Layout("affine", 4, 64, 3, 16).chunk, Layout("turbo", 3, 0, 2, 12).chunk
-        (32, 32)
-    """
-
-    kind: str
-    bits: int
-    group: int
-    n_parts: int
-    words: int
-
-    @property
-    def chunk(self) -> int:
-        """Elements decoded per step of the scoring loop: 16 bytes of packed data (32
-        elements for 3-bit turbo: 3 words, the period of the 3-bit stream)."""
-        if self.kind == "raw":
-            return 16 * 8 // self.bits
-        return 32 if self.kind in ("mx", "turbo") or self.bits == 4 else 16
-
-    @property
-    def vec(self) -> int:
-        """Words per load in the scoring loop (4: 16-byte loads), as alignment allows."""
-        if self.kind == "raw":
-            return 4
-        per_chunk = self.chunk * self.bits // 32
-        for v in (4, 2):
-            if per_chunk % v == 0 and self.words % v == 0:
-                return v
-        return 1
-
-
-def layout_of(fmt, parts: tuple[mx.array, ...], dim: int) -> Layout | None:
-    """The ``Layout`` of a format object of the attention protocol, or None when the
-    kernels do not read it (mxfp8, nvfp4, other bit widths)."""
-    from kvserve.cache.affine import QuantizedFormat
-    from kvserve.cache.turbo_codec import AffineFormat, RawFormat, TurboFormat
-
-    if isinstance(fmt, QuantizedFormat):
-        f = fmt.fmt
-        if f.mode == "affine" and f.bits in (4, 8) and f.group_size in (32, 64, 128):
-            return Layout("affine", f.bits, f.group_size, 3, dim * f.bits // 32)
-        if f.mode == "mxfp4":
-            return Layout("mx", 4, 32, 2, dim // 8)
-        return None
-    if isinstance(fmt, AffineFormat) and fmt.bits in (4, 8):
-        return Layout("affine", fmt.bits, fmt.group_size, 3, dim * fmt.bits // 32)
-    if isinstance(fmt, RawFormat) and parts[0].dtype in (mx.float16, mx.bfloat16, F32):
-        return Layout("raw", 8 * parts[0].dtype.size, 0, 1, 0)
-    if isinstance(fmt, TurboFormat) and fmt.codec.bits in (2, 3, 4):
-        return Layout("turbo", fmt.codec.bits, 0, 2, fmt.codec.words)
-    return None
 
 
 @dataclass(frozen=True)
@@ -160,44 +100,6 @@ def plan(bh: int, rows: int, T: int, target: int = TARGET_BLOCKS) -> Plan:
         if -(-tiles // splits) == per:
             return Plan(rb, row_tiles, splits)
     return Plan(rb, row_tiles, 1)
-
-
-def mask_kind(mask: Any, L: int) -> int:
-    """0 none, 1 causal (computed in the kernel), 2 boolean array, 3 additive array.
-
-        >>> mask_kind(None, 1), mask_kind("causal", 1), mask_kind("causal", 4)
-        (0, 0, 1)
-    """
-    if mask is None or (isinstance(mask, str) and L == 1):
-        return 0
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unknown mask '{mask}'")
-        return 1
-    return 2 if mask.dtype == mx.bool_ else 3
-
-
-def _mask4(mask: mx.array) -> mx.array:
-    """Any mlx-lm mask array as (B or 1, H_q or 1, L or 1, T), without a copy."""
-    while mask.ndim < 4:
-        mask = mask[None]
-    return mask
-
-
-def kernel_name(base: str, *texts: str) -> str:
-    """``base`` plus a digest of the kernel's source text.
-
-    MLX knows a compiled kernel by its name and template arguments only, in the process
-    and in its on-disk PTX cache (``$TMPDIR/mlx/<version>/ptx/<name>.ptx``, shared by every
-    process of one MLX version and never invalidated). A name without the digest would load
-    whatever binary an earlier process built under it, from whatever source that process
-    had: different argument lists and indexing, hence out-of-bounds accesses. With the digest
-    a changed source is a new name.
-
-        >>> kernel_name("k", "a") != kernel_name("k", "b")
-        True
-    """
-    return f"{base}_{hashlib.sha1(chr(0).join(texts).encode()).hexdigest()[:16]}"
 
 
 @functools.cache
@@ -300,22 +202,6 @@ def supported(queries: mx.array, key: Layout | None, value: Layout | None) -> bo
             and value.kind != "raw" and queries.dtype in (mx.float16, mx.bfloat16, F32))
 
 
-def part_widths(layout: Layout, dim: int) -> list[int]:
-    """Last-dim widths of the stored parts that the device code indexes up to, for head
-    dimension ``dim`` (the kernels take D from the queries and read every part up to it).
-
-        >>> part_widths(Layout("affine", 4, 64, 3, 16), 128), part_widths(Layout("turbo", 3, 0, 2, 12), 128)
-        ([16, 2, 2], [12, 1])
-    """
-    if layout.kind == "raw":
-        return [dim]
-    if layout.kind == "affine":
-        return [dim * layout.bits // 32, dim // layout.group, dim // layout.group]
-    if layout.kind == "mx":
-        return [dim // 8, dim // 32]
-    return [-(-dim * layout.bits // 32), 1]
-
-
 _PART_DTYPES = {"affine": (mx.uint32, None, None), "mx": (mx.uint32, mx.uint8),
                 "turbo": (mx.uint32, F32), "raw": (None,)}
 
@@ -355,13 +241,7 @@ def launchable(queries: mx.array, kl: Layout, vl: Layout, keys: tuple[mx.array, 
             return False
     if B * Hkv > MAX_GRID_YZ or B * Hq * L * D > MAX_ELEMS or T > MAX_ELEMS - TT:
         return False
-    if mask is not None and not isinstance(mask, str):
-        if mask.ndim > 4:
-            return False
-        m = _mask4(mask)
-        if any(n not in (1, full) for n, full in zip(m.shape, (B, Hq, L, T))):
-            return False
-    return True
+    return mask is None or isinstance(mask, str) or (mask.ndim <= 4 and _mask_fits(mask, queries.shape, T))
 
 
 def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
@@ -376,14 +256,12 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     worked out once per shape family (``_family_plan``); per call remain the checks and
     the launch shape that involve T."""
     T = keys[0].shape[2]
-    fam = _family_plan(queries.shape, queries.dtype, _parts_key(keys), _parts_key(values),
-                       _fmt_key(key_fmt), _fmt_key(value_fmt), _mask_key(mask), key_scale is None,
-                       key_fmt, value_fmt, keys, values, mask)
+    fam = _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale)
     if fam is None or T == 0 or T > MAX_ELEMS - TT or any(a.shape[2] != T for a in (*keys, *values)) \
             or not _mask_fits(mask, queries.shape, T):
         return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale)
     kl, vl, kind = fam.kl, fam.vl, fam.mask_kind
-    mask_in = [_mask4(mask)] if kind >= 2 else []
+    mask_in = [mask4(mask)] if kind >= 2 else []
     if fam.mma is not None:
         o_part, ml_part = _mma_pass(queries, fam, keys, values, scale, mask_in, value_fmt)
     else:
@@ -416,13 +294,6 @@ def _parts_key(parts: tuple[mx.array, ...]) -> tuple:
     return tuple((a.ndim, a.shape[:2], a.shape[3:], a.dtype) for a in parts)
 
 
-def _fmt_key(fmt) -> tuple:
-    """What a format object contributes to its layout: its class and parameters (turbo
-    codecs compare by dim, bits and seed)."""
-    return (type(fmt), getattr(fmt, "fmt", None), getattr(fmt, "codec", None),
-            getattr(fmt, "bits", None), getattr(fmt, "group_size", None))
-
-
 def _mask_key(mask: Any) -> Any:
     return mask if mask is None or isinstance(mask, str) else (mask.ndim, mask.dtype)
 
@@ -432,37 +303,36 @@ def _mask_fits(mask: Any, q_shape: tuple, T: int) -> bool:
     if mask is None or isinstance(mask, str):
         return True
     B, Hq, L, _ = q_shape
-    return all(n in (1, full) for n, full in zip(_mask4(mask).shape, (B, Hq, L, T)))
+    return all(n in (1, full) for n, full in zip(mask4(mask).shape, (B, Hq, L, T)))
 
 
 _FAMILIES_MAX = 256  # shape families kept (a server sees a handful: one per batch shape)
 _families: dict[tuple, FamilyPlan | None] = {}
 
 
-def _family_plan(q_shape, q_dtype, kkey, vkey, kfkey, vfkey, mkey, no_key_scale,
-                 key_fmt, value_fmt, keys, values, mask) -> FamilyPlan | None:
+def _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale) -> FamilyPlan | None:
     """The ``FamilyPlan`` of this call's shape family, or None when the kernels do not
     serve it (the reference does); computed on the family's first call."""
-    key = (q_shape, q_dtype, kkey, vkey, kfkey, vfkey, mkey, no_key_scale)
+    key = (queries.shape, queries.dtype, _parts_key(keys), _parts_key(values), format_key(key_fmt),
+           format_key(value_fmt), _mask_key(mask), key_scale is None)
     if key in _families:
         return _families[key]
-    plan_ = _new_family_plan(q_shape, q_dtype, key_fmt, value_fmt, keys, values, mask)
+    plan_ = _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask)
     if len(_families) >= _FAMILIES_MAX:
         _families.clear()
     _families[key] = plan_
     return plan_
 
 
-def _new_family_plan(q_shape, q_dtype, key_fmt, value_fmt, keys, values, mask) -> FamilyPlan | None:
-    B, Hq, L, D = q_shape
-    Hkv = keys[0].shape[1]
-    probe = mx.zeros((B, Hq, L, D), q_dtype)  # shapes and dtype only; never evaluated
+def _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask) -> FamilyPlan | None:
+    B, Hq, L, D = queries.shape
+    q_dtype, Hkv = queries.dtype, keys[0].shape[1]
     kl, vl = layout_of(key_fmt, keys, D), layout_of(value_fmt, values, D)
-    if not supported(probe, kl, vl) or Hq % Hkv \
-            or not launchable(probe, kl, vl, keys, values, mask, key_fmt, value_fmt):
+    if not supported(queries, kl, vl) or Hq % Hkv \
+            or not launchable(queries, kl, vl, keys, values, mask, key_fmt, value_fmt):
         return None
     kind = mask_kind(mask, L)
-    if not tensor_cores(probe, kl, vl, keys):
+    if not tensor_cores(queries, kl, vl, keys):
         return FamilyPlan(kl, vl, kind)
     rows = (Hq // Hkv) * L
     p = mma_plan(B * Hkv, rows, 1 << 20, D)  # T-independent fields only (nr, tm, warps)

@@ -107,9 +107,6 @@ template <> struct Magic<__nv_bfloat16> {
     x = __hfma2(x, *reinterpret_cast<__nv_bfloat162*>(&s2), *reinterpret_cast<__nv_bfloat162*>(&z2));
     return *reinterpret_cast<uint32_t*>(&x);
   }
-  static __device__ __forceinline__ uint32_t fma_hi(uint32_t h, uint32_t s2, uint32_t z2) {
-    return fma(h, s2, z2);  // unused: HI_NIBBLE is false
-  }
   static __device__ __forceinline__ uint32_t splat(__nv_bfloat16 v) {
     __nv_bfloat162 x = __bfloat162bfloat162(v);
     return *reinterpret_cast<uint32_t*>(&x);
@@ -473,7 +470,7 @@ def _mask(kind: int) -> str:
 def pair_map(layout, fast: bool) -> tuple[str, str]:
     """C++ expressions of k: the two elements of a run that decoded pair k holds.
 
-        >>> from kvserve.kernels.cuda_attention import Layout
+        >>> from kvserve.kernels.cuda_layout import Layout
         >>> pair_map(Layout("affine", 4, 64, 3, 16), True)
         ('(8 * ((k) / 4) + (k) % 4)', '(8 * ((k) / 4) + (k) % 4 + 4)')
         >>> pair_map(Layout("mx", 4, 32, 2, 16), False)
@@ -505,7 +502,7 @@ def run(layout, role: str, fast: bool) -> dict[str, str]:
     slot ``R``), or direct decoding for formats without a two-stage run (mxfp4, affine
     through f32).
 
-        >>> from kvserve.kernels.cuda_attention import Layout
+        >>> from kvserve.kernels.cuda_layout import Layout
         >>> run(Layout("turbo", 4, 0, 2, 16), "v", False)["type"]
         'kvt::LutRun<ACT, VBITS, VN, VWORDS>'
     """
@@ -534,7 +531,7 @@ def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: 
     ``kfast`` / ``vfast``: affine codes decoded straight to pairs (``AffineRun``; the
     scales must be in the queries' dtype), else through f32.
 
-        >>> from kvserve.kernels.cuda_attention import Layout
+        >>> from kvserve.kernels.cuda_layout import Layout
         >>> src = mma_source(Layout("affine", 4, 64, 3, 16), Layout("turbo", 3, 0, 2, 12), 0)
         >>> import re
         >>> re.findall(r"__[A-Z_]+__", src)   # every placeholder filled

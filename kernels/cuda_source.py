@@ -429,7 +429,7 @@ def _base(prefix: str, n_parts: int) -> str:
 def component_code(layout, role: str) -> dict[str, str]:
     """The snippets that read one stored component: role "k" (scores) or "v" (values).
 
-        >>> from kvserve.kernels.cuda_attention import Layout
+        >>> from kvserve.kernels.cuda_layout import Layout
         >>> component_code(Layout("affine", 4, 64, 3, 16), "v")["V_LOAD"]
         'raw[k].load(v0b + t * v0t, v1b + t * v1t, v2b + t * v2t, vj);'
     """

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from kvserve.kernels.reference import attend_blockwise, attend_full
+from kvserve.kernels.reference import attend_blockwise, attend_full, format_key
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +85,6 @@ def unregister_kernel(name: str) -> None:
     _CANDIDATES.clear()
 
 
-def _fmt_key(fmt) -> tuple:
-    """A format object by its class and parameters (the same objects are made afresh for
-    every call; turbo codecs compare by dim, bits and seed)."""
-    return (type(fmt), getattr(fmt, "fmt", None), getattr(fmt, "codec", None),
-            getattr(fmt, "bits", None), getattr(fmt, "group_size", None))
-
-
 def reference(*args, **kwargs) -> mx.array:
     """The blockwise reference on the CPU stream, whatever the default device: it is the
     oracle the kernels are tested against there, and on a GPU some of its ops have no
@@ -121,7 +114,7 @@ def self_check(kernel: FusedKernel, args: tuple, kwargs: dict) -> bool:
 
 
 def _fused_for(device: mx.DeviceType, key_fmt, value_fmt, L: int) -> FusedKernel | None:
-    key = (device, _fmt_key(key_fmt), _fmt_key(value_fmt), L)
+    key = (device, format_key(key_fmt), format_key(value_fmt), L)
     candidates = _CANDIDATES.get(key)
     if candidates is None:
         candidates = _CANDIDATES[key] = tuple(

@@ -40,6 +40,19 @@ F32 = mx.float32
 DEFAULT_BLOCK = 256
 
 
+def format_key(fmt) -> tuple:
+    """A format object of the protocol by its class and parameters: callers make format
+    objects afresh for every call, and what depends only on the format (which kernel serves
+    it, its layout) is looked up by this. Turbo codecs compare by dim, bits and seed.
+
+        >>> from kvserve.cache.turbo_codec import AffineFormat
+        >>> format_key(AffineFormat(128, 4, 64)) == format_key(AffineFormat(128, 4, 64))
+        True
+    """
+    return (type(fmt), getattr(fmt, "fmt", None), getattr(fmt, "codec", None),
+            getattr(fmt, "dim", None), getattr(fmt, "bits", None), getattr(fmt, "group_size", None))
+
+
 def group_queries(queries: mx.array, key_fmt, n_kv: int, scale: float,
                   key_scale: mx.array | None) -> mx.array:
     """(B, H_q, L, D) -> (B, H_kv, n_rep, L, D) f32, scaled and prepared for the key format.

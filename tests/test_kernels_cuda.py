@@ -71,7 +71,7 @@ def test_mask_kinds():
     assert ca.mask_kind(None, 4) == 0 and ca.mask_kind("causal", 4) == 1
     assert ca.mask_kind(mx.ones((2, 1, 4, 9), mx.bool_), 4) == 2
     assert ca.mask_kind(mx.zeros((4, 9), mx.float16), 4) == 3
-    assert ca._mask4(mx.zeros((4, 9))).shape == (1, 1, 4, 9)
+    assert ca.mask4(mx.zeros((4, 9))).shape == (1, 1, 4, 9)
     with pytest.raises(ValueError):
         ca.mask_kind("sliding", 4)
 
