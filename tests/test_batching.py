@@ -109,3 +109,40 @@ def test_rows_a_plan_skips_are_parked_and_rejoin(model):
     expected = alone(model, "fp16", make_requests([SamplingParams(max_tokens=n, temperature=0.0)
                                                    for n in (5, 6)] + greedy_params()[2:]))
     assert out == {"r0": expected["r0"], "r1": expected["r1"]}
+
+
+def test_each_decode_step_is_queued_by_the_step_before():
+    """Decoding runs one step ahead: the forward that computes a step's tokens is issued
+    by the step before, before its own tokens are read; the step that ends every row (by
+    max_tokens) queues nothing. Recorded as the (B, L) token shapes the model embeds."""
+    import mlx.nn as nn
+
+    model, shapes = random_llama(4321), []
+
+    class Recording(nn.Embedding):
+        def __call__(self, x):
+            shapes.append(tuple(x.shape))
+            return super().__call__(x)
+
+    recording = Recording(*model.model.embed_tokens.weight.shape)
+    recording.weight = model.model.embed_tokens.weight
+    model.model.embed_tokens = recording
+    requests = make_requests([SamplingParams(max_tokens=4, temperature=0.0)] * 5)[3:5]  # 21, 27 tokens
+    runner = ModelRunner(model, parse_scheme("affine4"))
+    scheduler = Scheduler(max_running=2, prefill_step_size=64, max_waiting=4)
+    for r in requests:
+        scheduler.add(r)
+    per_step, out = [], {r.request_id: [] for r in requests}
+    while scheduler.has_work:
+        shapes.clear()
+        result = runner.execute(scheduler.schedule())
+        scheduler.commit(result)
+        per_step.append(list(shapes))
+        for request_id, token in result.sampled.items():
+            out[request_id].append(token)
+            if scheduler.find(request_id).num_generated == 4:
+                scheduler.finish(scheduler.find(request_id), FinishReason.LENGTH)
+                runner.release(request_id)
+    # Step 1 prefills both prompts in one padded forward and queues step 2's decode.
+    assert per_step == [[(2, 27), (2, 1)], [(2, 1)], [(2, 1)], []]
+    assert out == alone(random_llama(4321), "affine4", requests)

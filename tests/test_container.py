@@ -269,3 +269,22 @@ def test_batch_containers_round_trip_too(model, tmp_path):
     a = step(model, batch, [[7], [9]])
     b = step(model, loaded, [[7], [9]])
     assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("dtype,atol", [(mx.float32, 1e-6), (mx.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads,L,mask_heads", [(8, 2, 1, 1), (6, 3, 4, 6), (4, 4, 3, 1)])
+def test_grouped_attention_under_a_mask_equals_mlx_sdpa(dtype, atol, heads, kv_heads, L, mask_heads):
+    """The fp16 family's masked decode path (a GPU's left-padded batches): boolean and
+    additive masks, one or every query head, any query group, against MLX's own SDPA."""
+    from kvserve.cache.fp16 import attend_grouped
+
+    keys = mx.random.split(mx.random.key(5), 5)
+    q = mx.random.normal((3, heads, L, 64), key=keys[0]).astype(dtype)
+    k = mx.random.normal((3, kv_heads, 50, 64), key=keys[1]).astype(dtype)
+    v = mx.random.normal((3, kv_heads, 50, 32), key=keys[2]).astype(dtype)
+    visible = (mx.random.uniform(shape=(3, mask_heads, L, 50), key=keys[3]) > 0.4) | (mx.arange(50) == 49)
+    for mask in (visible, mx.where(visible, 0.0, -1e4).astype(dtype)):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        got = attend_grouped(q, k, v, 0.125, mask)
+        assert got.shape == want.shape and got.dtype == dtype
+        assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() <= atol

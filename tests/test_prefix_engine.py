@@ -83,6 +83,21 @@ def test_the_next_chat_turn_finds_prompt_and_reply_cached(model):
     assert warm == cold
 
 
+def test_a_reply_ended_beside_a_longer_one_is_cached_whole(model):
+    """A row that ends while another decodes on was fed its last token by the step queued
+    ahead, so its next turn finds the whole reply cached (the lone request above was not)."""
+    runner = ModelRunner(model, parse_scheme("fp16"), prefix=open_cache("fp16"))
+    other = [(7 * i) % 251 + 1 for i in range(36)]
+    requests = [Request(list(PROMPT), SamplingParams(max_tokens=5, temperature=0.0), request_id="a"),
+                Request(other, SamplingParams(max_tokens=12, temperature=0.0), request_id="b")]
+    reply = drive(runner, requests, prefill=64, step_tokens=128).tokens["a"]
+    turn2 = PROMPT + reply + [3, 1, 4, 1, 5]
+    warm, cached = generate(runner, turn2, rid="a2")
+    assert cached == len(PROMPT) + len(reply)
+    cold, _ = generate(ModelRunner(model, parse_scheme("fp16")), turn2, rid="a2")
+    assert warm == cold
+
+
 @pytest.mark.parametrize("scheme", ["fp16", "affine4", "turbo0v4"])
 def test_after_a_restart_the_ssd_tier_gives_the_ram_hit_output(model, scheme, tmp_path):
     pc = open_cache(scheme, tmp_path)

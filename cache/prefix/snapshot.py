@@ -118,21 +118,29 @@ PACK_ALIGN = 64
 def pack(arrays: Sequence[mx.array]) -> tuple[mx.array, ...]:
     """Evaluated copies of ``arrays`` (contiguous or not) that share one buffer.
 
+    The buffer is laid out as rows of ``PACK_ALIGN`` bytes: MLX's shape dimensions are
+    32-bit, so a flat byte buffer would stop at 2 GiB (one fp16 layer stack of an 8B model
+    at 16K tokens is exactly that); rows reach 128 GiB. One array must stay under 2 GiB.
+
     >>> a, b = pack([mx.arange(6, dtype=mx.float16).reshape(2, 3)[:, :2], mx.ones((2,), mx.uint32)])
     >>> a.tolist(), b.tolist()
     ([[0.0, 1.0], [3.0, 4.0]], [1, 1])
     """
-    parts, offsets, at = [], [], 0
+    parts, rows, at = [], [], 0
     for a in arrays:
+        if a.nbytes >= 1 << 31:
+            raise ValueError(f"an array of {a.nbytes} bytes is too large to snapshot (limit 2 GiB)")
         raw = a.reshape(-1).view(mx.uint8)  # row-major bytes (reshape copies a strided slice)
         pad = -raw.size % PACK_ALIGN
-        parts += [raw, mx.zeros((pad,), mx.uint8)] if pad else [raw]
-        offsets.append(at)
-        at += raw.size + pad
+        raw = mx.concatenate([raw, mx.zeros((pad,), mx.uint8)]) if pad else raw
+        parts.append(raw.reshape(-1, PACK_ALIGN))
+        rows.append(at)
+        at += parts[-1].shape[0]
     if not parts:
         return ()
-    flat = mx.concatenate(parts)
-    out = tuple(flat[o : o + a.nbytes].view(a.dtype).reshape(a.shape) for o, a in zip(offsets, arrays))
+    flat = mx.concatenate(parts)  # (rows, PACK_ALIGN)
+    out = tuple(flat[r : r + part.shape[0]].reshape(-1)[: a.nbytes].view(a.dtype).reshape(a.shape)
+                for r, part, a in zip(rows, parts, arrays))
     mx.eval(out)  # slices, views and reshapes of a contiguous buffer share it
     return out
 

@@ -71,6 +71,11 @@ class SamplingParams:
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def penalized(self) -> bool:
+        """The logits depend on the tokens generated so far (presence or frequency penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits: such rows of a batch are sampled together."""
         return self.greedy and not self.adjusts_logits

@@ -13,6 +13,16 @@ whose rows are the decoding requests; a decode step is ONE forward over all of t
 Rows never see each other (the mask hides other rows' slots and padding), so a request
 decodes alone or inside any batch to the same tokens, up to float rounding.
 
+Decoding runs one step ahead. Before a step's tokens are read back, the next decode step
+over the same rows is queued behind it, fed the tokens as arrays: building a step's graph
+(Python, a few ms for a deep model) overlaps the device running the previous one, as
+mlx-lm's ``generate`` does. When the next plan decodes those rows, the queued step is its
+decode (rows that finished meanwhile are dropped from it); when it decodes others (a
+preemption or a resumed request), the step is undone: one slot trimmed from every row and
+the samplers' keys given back, so the tokens are those of a run that never went ahead.
+Rows with presence or frequency penalties need the last token counted on the host before
+they sample, so a batch holding one does not go ahead.
+
 The choices of an ``n > 1`` request (its forks) get copies of their leader's cache when its
 prompt completes, and their first tokens are sampled from the same logits. A preempted
 request's cache is written to a swap file and read back bit-identical when it resumes.
@@ -28,6 +38,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,7 +47,7 @@ from kvserve.cache import KVScheme, PromptCache, load_layers, save_layers
 from kvserve.server.engine.fastpath import last_logits
 from kvserve.server.engine.heap import heap_stats
 from kvserve.server.engine.request import Request
-from kvserve.server.engine.sampler import Pick, RequestSampler, sample_rows
+from kvserve.server.engine.sampler import Draw, Pick, RequestSampler, draw_rows, sample_rows
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
 
 
@@ -77,6 +88,18 @@ def group_whole_prompts(chunks: tuple[PrefillChunk, ...]) -> tuple[list[PrefillC
     return together, [c for c in chunks if c not in together]
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """A decode forward queued on the device: its rows (request ids, batch order) and draw."""
+
+    rows: list[str]
+    draw: Draw
+
+    def narrow(self, rows: list[str]) -> DecodeStep:
+        """The step for ``rows``, a subset of its rows in their order (the rest finished)."""
+        return DecodeStep(list(rows), self.draw.select([self.rows.index(r) for r in rows]))
+
+
 class ModelRunner:
     """Holds the model, the caches and samplers of live requests; runs on the engine thread."""
 
@@ -91,6 +114,7 @@ class ModelRunner:
         self._batch: PromptCache | None = None  # decoding requests, one row each
         self._rows: list[str] = []  # request id of each batch row
         self._last: dict[str, int] = {}  # last sampled token, the next decode input
+        self._ahead: DecodeStep | None = None  # queued before it was planned, rows in the batch
         self._swap_root = swap_dir
         self._swap_dir: Path | None = None  # made on the first preemption
         self._swapped: dict[str, Path] = {}
@@ -101,21 +125,24 @@ class ModelRunner:
             self._swap_out(request.request_id)
         for request in plan.swap_in:
             self._swap_in(request.request_id)
-        picks = self._decode(plan.decode) if plan.decode else {}
+        step = self._decode(plan.decode)  # queued, read back last
         cached = self._attach_prefixes(plan.prefill)
         prefilled = {c.request.request_id: c.num_tokens for c in plan.prefill}
         started = tuple(c for c in plan.prefill if c.request.request_id in self._hits)
         together, alone = group_whole_prompts(tuple(c for c in plan.prefill if c not in started))
         alone = [*started, *alone]  # a cached prefix continues in its own B = 1 cache
         joining: list[str] = []
+        prompt_picks: dict[str, Pick] = {}
         for chunk in alone:
             done, computed = self._prefill(chunk)
             prefilled[chunk.request.request_id] = computed
-            picks.update(done)
+            prompt_picks.update(done)
             joining.extend(done)
         self._join(joining)  # after the decode: they decode from the next step on
         if together:
-            picks.update(self._prefill_together(together))
+            prompt_picks.update(self._prefill_together(together))
+        self._ahead = self._queue_ahead(step, _ending(plan, prompt_picks))
+        picks = {**self._read(step), **prompt_picks}
         for request_id, pick in picks.items():
             self._tokens[request_id].append(pick.token)
         return StepResult(prefilled=prefilled, sampled={r: p.token for r, p in picks.items()},
@@ -127,7 +154,10 @@ class ModelRunner:
         ``keep`` first offers the cache of its prompt and reply to the prefix cache."""
         tokens = self._tokens.pop(request_id, None)
         if keep and self.prefix is not None and tokens is not None:
-            self._offer(request_id, tokens[:-1])  # the last sampled token was never fed
+            # The last sampled token is in the cache only when a queued step fed it.
+            cache = self._held(request_id)
+            if cache is not None and cache.offset in (len(tokens) - 1, len(tokens)):
+                self._offer(tokens[: cache.offset], cache)
         self._hits.pop(request_id, None)
         self._samplers.pop(request_id, None)
         self._single.pop(request_id, None)
@@ -157,6 +187,7 @@ class ModelRunner:
     def close(self) -> None:
         """Finish the prefix cache's queued writes and remove the swap directory (the
         engine calls this when it stops)."""
+        self._ahead = None
         if self.prefix is not None:
             self.prefix.close()
         if self._swap_dir is not None:
@@ -198,19 +229,20 @@ class ModelRunner:
                 self._hits[request.request_id] = found[request.request_id] = hit.num_tokens
         return found
 
-    def _offer(self, request_id: str, tokens: list[int], cache: PromptCache | None = None) -> None:
-        """Hand a snapshot of a request's cache holding exactly ``tokens`` to the prefix cache."""
-        if cache is None:
-            if request_id in self._rows:
-                cache = self._batch.extract(self._rows.index(request_id))
-            else:
-                cache = self._single.get(request_id)
-        if cache is None or cache.offset != len(tokens):
+    def _held(self, request_id: str) -> PromptCache | None:
+        """The cache a live request holds: its batch row (a copy) or its B = 1 cache."""
+        if request_id in self._rows:
+            return self._batch.extract(self._rows.index(request_id))
+        return self._single.get(request_id)
+
+    def _offer(self, tokens: list[int], cache: PromptCache) -> None:
+        """Hand a snapshot of ``cache``, holding exactly ``tokens``, to the prefix cache."""
+        if cache.offset != len(tokens):
             return
         try:
             self.prefix.insert(tokens, cache)
-        except ValueError as exc:  # a cache the store cannot take is skipped, never fatal
-            log.warning("prefix cache refused an entry: %s", exc)
+        except Exception as exc:  # an entry the store cannot take is skipped, never fatal
+            log.warning("prefix cache refused an entry: %s: %s", type(exc).__name__, exc)
 
     # ---- prefill: one request at a time, on its own B = 1 cache ------------------------
     def _prefill(self, chunk: PrefillChunk) -> tuple[dict[str, Pick], int]:
@@ -251,7 +283,7 @@ class ModelRunner:
         if self.prefix is not None:
             for i, r in enumerate(requests):
                 row = cache.extract(i) if cache.is_batch else cache
-                self._offer(r.request_id, r.prompt_tokens, row)
+                self._offer(r.prompt_tokens, row)
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> dict[str, Pick]:
         """Whole prompts in one left-padded forward (a larger matmul per weight read than
@@ -283,20 +315,62 @@ class ModelRunner:
         return PromptCache.for_model(self.model, self.scheme, quantize_after=RAW_PREFILL_TOKENS)
 
     # ---- decode: one forward over every decoding request --------------------------------
-    def _decode(self, requests: tuple[Request, ...]) -> dict[str, Pick]:
-        planned = [r.request_id for r in requests]
+    def _decode(self, requests: tuple[Request, ...]) -> DecodeStep | None:
+        """Queue this step's decode of ``requests``: the step queued ahead when it covers
+        exactly them, else a new forward (after undoing the queued one)."""
+        planned = {r.request_id for r in requests}
+        if self._ahead is not None and planned == set(self._rows):
+            step, self._ahead = self._ahead.narrow(self._rows), None
+            return step
+        self._undo_ahead()
+        if not requests:
+            return None
         self._park([r for r in self._rows if r not in planned])
-        self._join([r for r in planned if r not in self._rows])
-        tokens = mx.array([[self._last[r]] for r in self._rows])  # (B, 1)
+        self._join([r.request_id for r in requests if r.request_id not in self._rows])
+        return self._forward(mx.array([[self._last[r]] for r in self._rows]))  # (B, 1)
+
+    def _forward(self, tokens: mx.array) -> DecodeStep:
+        """One decode forward over the whole batch, sampled per row, evaluation started."""
         logits = self.model(tokens, cache=self._batch)[:, -1, :]  # (B, V)
         self._batch.maybe_convert()
         # Each row with its own sampler: per-request filters, penalties and PRNG key.
-        picks = sample_rows([self._samplers[r] for r in self._rows], logits)
-        self._last.update((r, p.token) for r, p in zip(self._rows, picks))
-        return dict(zip(self._rows, picks))
+        draw = draw_rows([self._samplers[r] for r in self._rows], logits)
+        mx.async_eval(draw.arrays())
+        return DecodeStep(list(self._rows), draw)
+
+    def _queue_ahead(self, step: DecodeStep | None, ending: set[str]) -> DecodeStep | None:
+        """Queue the next decode of every batch row, fed this step's tokens as arrays (rows
+        that joined after it: their first token). None when every row ends here, or when
+        a row's penalties need its last token counted first."""
+        rows = self._rows
+        if not rows or ending.issuperset(rows) or any(self._samplers[r].params.penalized for r in rows):
+            return None
+        decoded = step.rows if step is not None else []
+        assert rows[: len(decoded)] == decoded, "rows join the batch at its end"
+        parts = [step.draw.tokens.astype(mx.int32)] if decoded else []
+        if len(rows) > len(decoded):
+            parts.append(mx.array([self._last[r] for r in rows[len(decoded):]], dtype=mx.int32))
+        return self._forward(mx.concatenate(parts)[:, None] if len(parts) > 1 else parts[0][:, None])
+
+    def _read(self, step: DecodeStep | None) -> dict[str, Pick]:
+        """Wait for a step's tokens; they become the rows' next decode inputs."""
+        if step is None:
+            return {}
+        picks = step.draw.read()
+        self._last.update((r, p.token) for r, p in zip(step.rows, picks))
+        return dict(zip(step.rows, picks))
+
+    def _undo_ahead(self) -> None:
+        """Drop the queued step: every row loses the slot it wrote, every sampler gets its
+        key back (the device may still compute the step; nothing reads it)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self._batch is not None:
+            self._batch.trim(1)
+            ahead.draw.undo()
 
     # ---- preemption: a request's cache goes to a swap file and comes back as it was -----
     def _swap_out(self, request_id: str) -> None:
+        self._undo_ahead()  # the row leaves as the last read step left it
         if request_id in self._rows:
             self._park([request_id])
         cache = self._single.pop(request_id)
@@ -337,7 +411,17 @@ class ModelRunner:
     def _keep(self, request_ids: list[str]) -> None:
         """Shrink the batch to these rows (in this order); an empty batch is dropped."""
         if not request_ids:
-            self._batch, self._rows = None, []
+            self._batch, self._rows, self._ahead = None, [], None
             return
         self._batch.filter([self._rows.index(r) for r in request_ids])
         self._rows = list(request_ids)
+
+
+def _ending(plan: StepPlan, prompt_picks: dict[str, Pick]) -> set[str]:
+    """Requests whose token of this step is their last by ``max_tokens``."""
+    out = {r.request_id for r in plan.decode if r.num_generated + 1 >= r.params.max_tokens}
+    for chunk in plan.prefill:
+        for r in (chunk.request, *chunk.request.forks):
+            if r.request_id in prompt_picks and r.params.max_tokens <= 1:
+                out.add(r.request_id)
+    return out

@@ -5,6 +5,11 @@ produces the same tokens whatever else the engine is doing (no global random sta
 The filters (top-k, top-p, min-p) come from mlx-lm; the penalties and the bias follow
 OpenAI's definitions over the tokens generated so far, applied as one sparse add.
 
+Drawing and reading are apart, so a step can be queued on the device before the previous
+one's tokens are known: ``draw_rows`` builds the sampled tokens as arrays (splitting keys),
+``Draw.read`` waits for them and counts them for the penalties, ``Draw.undo`` gives the keys
+back when a queued step is dropped.
+
 Example (row 0 greedy, row 1 greedy with token 1 banned by a bias):
     >>> import mlx.core as mx
     >>> rows = [RequestSampler(SamplingParams(temperature=0.0)),
@@ -45,7 +50,7 @@ class RequestSampler:
 
     def observe(self, token: int) -> None:
         """Count a generated token (the penalties look at these counts)."""
-        if self.params.adjusts_logits:
+        if self.params.penalized:
             self._counts[token] += 1
 
     def adjust(self, logits: mx.array) -> mx.array:
@@ -78,11 +83,49 @@ class RequestSampler:
         return mx.random.categorical(logprobs * (1.0 / params.temperature), key=sub)
 
 
-def sample_rows(samplers: list[RequestSampler], logits: mx.array) -> list[Pick]:
-    """Sample row ``b`` of ``logits`` (B, V) with ``samplers[b]``, in one evaluation.
+@dataclass(frozen=True)
+class Draw:
+    """Tokens sampled for a batch, still arrays: ``tokens`` (B,) and, for the rows that ask,
+    their log-probability arrays. ``keys`` are the samplers' keys before the draw."""
 
-    Plain greedy rows share one argmax over the whole batch; the others sample alone.
+    samplers: tuple[RequestSampler, ...]
+    keys: tuple[mx.array, ...]
+    tokens: mx.array
+    scored: dict[int, tuple[mx.array, ...]]
+
+    def arrays(self) -> list:
+        return [self.tokens, self.scored]
+
+    def select(self, rows: list[int]) -> Draw:
+        """The same draw for these rows only, in this order (rows that left are dropped)."""
+        if rows == list(range(len(self.samplers))):
+            return self
+        return Draw(tuple(self.samplers[b] for b in rows), tuple(self.keys[b] for b in rows),
+                    self.tokens[mx.array(rows)],
+                    {i: self.scored[b] for i, b in enumerate(rows) if b in self.scored})
+
+    def read(self) -> list[Pick]:
+        """Wait for the tokens; each row's sampler counts its token."""
+        mx.eval(self.arrays())
+        values = self.tokens.tolist()
+        for sampler, token in zip(self.samplers, values):
+            sampler.observe(token)
+        return [Pick(token, _token_logprob(token, self.scored[b]) if b in self.scored else None)
+                for b, token in enumerate(values)]
+
+    def undo(self) -> None:
+        """Give every sampler its key back, as if this draw never happened."""
+        for sampler, key in zip(self.samplers, self.keys):
+            sampler._key = key
+
+
+def draw_rows(samplers: list[RequestSampler], logits: mx.array) -> Draw:
+    """Sample row ``b`` of ``logits`` (B, V) with ``samplers[b]``, as arrays (nothing runs).
+
+    Plain greedy rows share one argmax over the whole batch; the others sample alone. A
+    penalized row must have observed every earlier token first (its counts live here).
     """
+    keys = tuple(s._key for s in samplers)
     greedy = mx.argmax(logits, axis=-1)  # (B,)
     own = {b: s.sample(logits[b : b + 1]) for b, s in enumerate(samplers)
            if not s.params.plain_greedy}
@@ -91,12 +134,12 @@ def sample_rows(samplers: list[RequestSampler], logits: mx.array) -> list[Pick]:
     wanted = [b for b, s in enumerate(samplers) if s.params.logprobs]
     scored = {b: _logprob_arrays(logits[b], tokens[b], samplers[b].params.top_logprobs)
               for b in wanted}
-    mx.eval(tokens, scored)
-    values = tokens.tolist()
-    for b, token in enumerate(values):
-        samplers[b].observe(token)
-    return [Pick(token, _token_logprob(token, scored[b]) if b in scored else None)
-            for b, token in enumerate(values)]
+    return Draw(tuple(samplers), keys, tokens, scored)
+
+
+def sample_rows(samplers: list[RequestSampler], logits: mx.array) -> list[Pick]:
+    """Sample row ``b`` of ``logits`` (B, V) with ``samplers[b]`` and read the picks."""
+    return draw_rows(samplers, logits).read()
 
 
 def _logprob_arrays(row: mx.array, token: mx.array, k: int) -> tuple[mx.array, ...]:
