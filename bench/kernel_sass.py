@@ -13,7 +13,11 @@ Tools (PyPI wheels, no GPU needed), unpacked into one directory:
     pip download --no-deps -d T nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12 \\
         nvidia-cuda-runtime-cu12 nvidia-cuda-cccl-cu12 nvidia-cuda-nvdisasm
     for w in T/*.whl; do python -m zipfile -e $w T/x; done; chmod +x T/x/nvidia/*/bin/*
-    python bench/kernel_sass.py affine4 --tools T/x/nvidia [--bf16] [--out DIR]
+    python bench/kernel_sass.py affine4 --tools T/x/nvidia [--bf16] [--mask padded] [--out DIR]
+
+``--mask`` gives the call a left-padded batch's mask (rows padded by 0..7 slots): ``padded``
+as the caches make it, (B, 1, 1, T), one value per token; ``per-head`` the same values
+broadcast to (B, H_q, 1, T), read through the generic array index.
 """
 
 from __future__ import annotations
@@ -103,12 +107,20 @@ def loops(sass: str, top: int = 2) -> list[tuple[int, collections.Counter]]:
     return out
 
 
-def capture(scheme: str, bf16: bool) -> list[tuple]:
+def capture(scheme: str, bf16: bool, mask: str = "none") -> list[tuple]:
     """(name, header, source, input names, inputs, output names, output dtypes, template)
     of the tensor-core kernel one ``attend_cuda`` call would launch."""
     import mlx.core as mx
+    from kvserve.cache.base import causal_mask
     from kvserve.kernels import bench_cases as bc
     from kvserve.kernels import cuda_attention as ca
+
+    T = 1024
+    padding = causal_mask(1, T - 1, mx.arange(8))  # (8, 1, 1, T)
+    the_mask = {"none": None, "padded": padding,
+                "per-head": mx.broadcast_to(padding, (8, 32, 1, T))}[mask]
+    path = bc._path
+    bc._path = lambda name: (lambda *a: path(name)(*a[:6], the_mask))
 
     seen = []
 
@@ -123,9 +135,9 @@ def capture(scheme: str, bf16: bool) -> list[tuple]:
         bc._rand = lambda shape, seed: tuple(x.astype(mx.bfloat16) for x in rand(shape, seed))
     with mock.patch.object(mx.fast, "cuda_kernel", recorder):
         ca._mma_kernel.cache_clear(), ca._merge_kernel.cache_clear(), ca._families.clear()
-        case = bc.build_case(scheme, "cuda", bc.Shape(8, 32, 8, 128, 1024))
+        case = bc.build_case(scheme, "cuda", bc.Shape(8, 32, 8, 128, T))
         case.run(case.queries)
-    bc._rand = rand
+    bc._rand, bc._path = rand, path
     ca._mma_kernel.cache_clear(), ca._merge_kernel.cache_clear(), ca._families.clear()
     return [k for k in seen if "kvs_attn_mma" in k[0]]
 
@@ -136,11 +148,12 @@ def main(argv=None) -> int:
     p.add_argument("--tools", default=os.environ.get("KVSERVE_CUDA_TOOLS", ""),
                    help="the unpacked wheels' nvidia/ directory (see above)")
     p.add_argument("--bf16", action="store_true", help="bf16 queries and K/V instead of f16")
+    p.add_argument("--mask", choices=("none", "padded", "per-head"), default="none")
     p.add_argument("--out", default="", help="also keep k.cu, k.ptx, k.cubin, k.sass here")
     args = p.parse_args(argv)
     out = args.out or os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvserve-sass")
     os.makedirs(out, exist_ok=True)
-    for name, *rest in capture(args.scheme, args.bf16):
+    for name, *rest in capture(args.scheme, args.bf16, args.mask):
         src = wrap(name, *rest)
         open(f"{out}/k.cu", "w").write(src)
         open(f"{out}/k.ptx", "w").write(nvrtc_ptx(args.tools, src))

@@ -99,10 +99,15 @@ def part_widths(layout: Layout, dim: int) -> list[int]:
 
 
 def mask_kind(mask: Any, L: int) -> int:
-    """0 none, 1 causal (computed in the kernel), 2 boolean array, 3 additive array.
+    """0 none, 1 causal (computed in the kernel), 2 boolean array, 3 additive array,
+    4 boolean array shared by every head and query: (B or 1, 1, 1, T), the mask of a
+    left-padded batch's decode step. Kind 4 reads one value per token instead of one per
+    score (the generic index costs more than the load; padding doubled affine4's time).
 
         >>> mask_kind(None, 1), mask_kind("causal", 1), mask_kind("causal", 4)
         (0, 0, 1)
+        >>> mask_kind(mx.ones((3, 1, 1, 9), mx.bool_), 1), mask_kind(mx.ones((3, 1, 4, 9), mx.bool_), 4)
+        (4, 2)
     """
     if mask is None or (isinstance(mask, str) and L == 1):
         return 0
@@ -110,7 +115,10 @@ def mask_kind(mask: Any, L: int) -> int:
         if mask != "causal":
             raise ValueError(f"unknown mask '{mask}'")
         return 1
-    return 2 if mask.dtype == mx.bool_ else 3
+    if mask.dtype != mx.bool_:
+        return 3
+    shape = mask4(mask).shape
+    return 4 if shape[1] == shape[2] == 1 else 2
 
 
 def mask4(mask: mx.array) -> mx.array:

@@ -394,6 +394,10 @@ MASK_CODE = {
     1: "          if (t > T - L + l) s[r] = MASKED;  // query l sits at position T - L + l",
     2: _ARRAY_MASK + "          if (!mask[at]) s[r] = MASKED;",
     3: _ARRAY_MASK + "          s[r] += static_cast<float>(mask[at]);",
+    # The value depends on (b, t) only: the row-independent load is shared by every row.
+    # 32-bit index: such a mask has B * T elements (``launchable`` bounds it).
+    4: "          if (!mask[(mask_shape[0] == 1 ? 0 : b) * (int)mask_strides[0] + t * (int)mask_strides[3]])"
+       " s[r] = MASKED;",
 }
 
 MERGE_BODY = r"""

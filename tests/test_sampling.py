@@ -62,6 +62,16 @@ def test_penalties_and_bias_follow_openai_inside_a_mixed_batch(model):
     assert got["r4"] == [9] * 10  # +100 dominates every logit
 
 
+def test_biased_rows_decode_ahead_like_the_reference(model):
+    """Without penalties the batch decodes one step ahead; a bias needs no counts."""
+    favourite = reference_greedy(model, PROMPTS[1], 1)[0]
+    params = [SamplingParams(max_tokens=10, temperature=0.0),
+              SamplingParams(max_tokens=10, temperature=0.0, logit_bias=((favourite, -100.0), (7, 3.0)))]
+    got = run(model, params).tokens
+    assert got["r0"] == reference_greedy(model, PROMPTS[0], 10)
+    assert got["r1"] == reference_greedy(model, PROMPTS[1], 10, bias={favourite: -100.0, 7: 3.0})
+
+
 def test_top_k_one_and_min_p_one_are_greedy_at_any_temperature(model):
     params = [SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=1),
               SamplingParams(max_tokens=8, temperature=1.5, min_p=1.0, seed=2),
