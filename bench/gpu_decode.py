@@ -133,13 +133,19 @@ def report(scheme: str, loop: str, times: list[float], batch: int, kv_gib: float
     print(f"| {scheme} | {loop} | {ms:.2f} | {batch * 1e3 / ms:.1f} | {kv_gib:.2f} |", flush=True)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--schemes", default="fp16,affine4,turbo0v4")
+def parser(doc: str, schemes: str, steps: int) -> argparse.ArgumentParser:
+    """The options the GPU decode benchmarks share (model depth, batch, context, steps)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--schemes", default=schemes)
     p.add_argument("--context", type=int, default=16384)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--steps", type=int, default=steps)
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__, "fp16,affine4,turbo0v4", 24)
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     args = p.parse_args(argv)
     import mlx.core as mx

@@ -12,7 +12,6 @@ over the last 3/4 of ``--steps``, per scheme.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -33,15 +32,10 @@ def timed(clocks: dict, name: str, fn):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--schemes", default="fp16,affine4")
-    p.add_argument("--context", type=int, default=16384)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--steps", type=int, default=24)
-    args = p.parse_args(argv)
+    from gpu_decode import build_model, engine_steps, parser
+
+    args = parser(__doc__, "fp16,affine4", 24).parse_args(argv)
     import mlx.core as mx
-    from gpu_decode import build_model, engine_steps
     from kvserve.server.engine.runner import ModelRunner
 
     clocks: dict[str, list[float]] = defaultdict(list)

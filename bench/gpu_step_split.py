@@ -16,7 +16,6 @@ scheme it reports:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -92,13 +91,9 @@ def graph_nodes(model, cache, batch: int, path: str) -> Counter:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--schemes", default="fp16,affine4")
-    p.add_argument("--context", type=int, default=16384)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--steps", type=int, default=12)
-    args = p.parse_args(argv)
+    from gpu_decode import parser
+
+    args = parser(__doc__, "fp16,affine4", 12).parse_args(argv)
     import tempfile
 
     import mlx.core as mx
