@@ -395,8 +395,8 @@ MASK_CODE = {
     2: _ARRAY_MASK + "          if (!mask[at]) s[r] = MASKED;",
     3: _ARRAY_MASK + "          s[r] += static_cast<float>(mask[at]);",
     # The value depends on (b, t) only: the row-independent load is shared by every row.
-    # 32-bit index: such a mask has B * T elements (``launchable`` bounds it).
-    4: "          if (!mask[(mask_shape[0] == 1 ? 0 : b) * (int)mask_strides[0] + t * (int)mask_strides[3]])"
+    # 64-bit index: the mask may be a view into a larger buffer, whose strides nothing bounds.
+    4: "          if (!mask[(mask_shape[0] == 1 ? 0 : b) * mask_strides[0] + (int64_t)t * mask_strides[3]])"
        " s[r] = MASKED;",
 }
 
