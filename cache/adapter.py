@@ -8,9 +8,22 @@ mlx-lm model files call the module-level ``scaled_dot_product_attention`` they i
     kvserve cache (registered class)  ->  cache.attend(queries, keys, values, scale, mask)
     anything else (mlx-lm caches, None) ->  mlx-lm's original function, unchanged
 
-so model files are used as they are. Other protocol differences live here too: which layers of
-a model get a kvserve cache (``layer_caches``), and converting mlx-lm's ``KVCache``
-(``from_mlx_lm``; mlx-lm 0.32.2 caches have no ``meta_state``, ours do).
+so model files are used as they are. Other protocol differences live here too: which kvserve
+cache stands for each cache mlx-lm's ``make_cache`` returns (``layer_caches``):
+
+    KVCache                              ->  factory(k, n): the scheme's full-attention cache
+    RotatingKVCache(max_size=W, keep=0)  ->  SlidingKVCache(factory(k, n), W)
+    ArraysCache(size=s)                  ->  StateCache(s): recurrent state in the model's dtype
+    anything else                        ->  UnsupportedLayers, naming the layer and the class
+
+and converting mlx-lm's ``KVCache`` (``from_mlx_lm``; mlx-lm 0.32.2 caches have no
+``meta_state``, ours do).
+
+Attention sinks (gpt-oss) reach ``cache.attend(..., sinks=...)``. Layers that reuse another
+layer's K/V (Gemma 4's KV-shared layers) call attention with ``cache=None`` and the K/V that
+the source layer's ``update_and_fetch`` returned, which for a quantized scheme are stored
+parts only their cache can read: the dispatcher remembers, for the K/V objects a kvserve cache
+attended over last, which cache that was, and routes such calls to it.
 """
 
 from __future__ import annotations
@@ -30,14 +43,38 @@ ATTENTION_NAME = "scaled_dot_product_attention"
 ORIGINAL_ATTR = "__kvserve_original__"
 
 
+class UnsupportedLayers(TypeError):
+    """A model makes caches kvserve does not serve (the message names the layer and why)."""
+
+
+# The K/V a kvserve cache attended over most recently, by id, with the cache: a shared-KV
+# layer's call presents the same objects. Strong references keep the ids from being reused.
+_RECENT_KV: dict[int, tuple[Any, Any]] = {}
+_RECENT_MAX = 4
+
+
+def _remember(keys: Any, cache: Any) -> None:
+    if not isinstance(keys, mx.array):  # raw arrays need no routing: mlx-lm reads them
+        _RECENT_KV[id(keys)] = (keys, cache)
+        while len(_RECENT_KV) > _RECENT_MAX:
+            _RECENT_KV.pop(next(iter(_RECENT_KV)))
+
+
+def _owner(keys: Any) -> Any:
+    found = _RECENT_KV.get(id(keys))
+    return found[1] if found is not None and found[0] is keys else None
+
+
 def dispatching_attention(original: Callable) -> Callable:
     """Wrap mlx-lm's attention function so kvserve caches run their own ``attend``."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
+        if cache is None:
+            cache = _owner(keys)
+        elif is_kvserve_cache(cache):
+            _remember(keys, cache)
         if is_kvserve_cache(cache):
-            if sinks is not None:
-                raise NotImplementedError(f"{type(cache).__name__} does not support attention sinks")
-            return cache.attend(queries, keys, values, scale, mask)
+            return cache.attend(queries, keys, values, scale, mask, sinks=sinks)
         if sinks is not None:
             kwargs["sinks"] = sinks
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
@@ -73,17 +110,42 @@ def uninstall_attention(model: nn.Module) -> None:
             setattr(module, ATTENTION_NAME, original)
 
 
-def layer_caches(model: nn.Module, factory: Callable[[int, int], Any]) -> list[Any]:
-    """One cache per layer: ``factory(k, n)`` where mlx-lm would use a plain ``KVCache``
-    (k-th of n such layers); mlx-lm's other caches (rotating, SSM, ...) are kept as the
-    model makes them."""
+def layer_caches(model: nn.Module, factory: Callable[[int, int], Any], scheme: Any = None) -> list[Any]:
+    """One kvserve cache per cache mlx-lm's ``make_cache`` returns (table above); ``factory(k,
+    n)`` makes the K/V store of the k-th of n K/V-bearing layers. ``UnsupportedLayers`` for
+    a cache class without a kvserve counterpart."""
+    from kvserve.cache.recurrent import StateCache
+    from kvserve.cache.sliding import SlidingKVCache
+
     if not hasattr(model, "make_cache"):  # mlx-lm's own rule (make_prompt_cache)
         n = len(model.layers)
         return [factory(k, n) for k in range(n)]
     theirs = model.make_cache()
-    full = [i for i, c in enumerate(theirs) if type(c) is mlx_cache.KVCache]
-    ours = {i: factory(k, len(full)) for k, i in enumerate(full)}
-    return [ours.get(i, c) for i, c in enumerate(theirs)]
+    for i, c in enumerate(theirs):
+        reason = unsupported_reason(c)
+        if reason:
+            raise UnsupportedLayers(f"layer {i}: {reason}")
+    kv = [i for i, c in enumerate(theirs) if not isinstance(c, mlx_cache.ArraysCache)]
+    rank = {i: k for k, i in enumerate(kv)}
+    out = []
+    for i, c in enumerate(theirs):
+        if isinstance(c, mlx_cache.ArraysCache):
+            out.append(StateCache(len(c.cache), **({"scheme": scheme} if scheme is not None else {})))
+        elif isinstance(c, mlx_cache.RotatingKVCache):
+            out.append(SlidingKVCache(factory(rank[i], len(kv)), c.max_size))
+        else:
+            out.append(factory(rank[i], len(kv)))
+    return out
+
+
+def unsupported_reason(cache: Any) -> str | None:
+    """Why kvserve cannot stand in for one of mlx-lm's caches, or None when it can."""
+    kind = type(cache)
+    if kind is mlx_cache.KVCache or kind is mlx_cache.ArraysCache:
+        return None
+    if kind is mlx_cache.RotatingKVCache:
+        return None if cache.keep == 0 else f"a rotating cache that keeps {cache.keep} first tokens"
+    return f"mlx-lm's {kind.__name__} (no kvserve cache for this layer kind)"
 
 
 def from_mlx_lm(cache: mlx_cache.KVCache):

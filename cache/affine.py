@@ -139,12 +139,12 @@ class AffineCodec:
         return dequantize_parts(keys, self.scheme.keys), dequantize_parts(values, self.scheme.values)
 
     def attend(self, queries: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.array, ...],
-               scale: float, mask: Any) -> mx.array:
+               scale: float, mask: Any, sinks: mx.array | None = None) -> mx.array:
         from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
 
         # The dispatch picks the full path, the blockwise reference or a verified kernel.
         return dispatch.attend(queries, QuantizedFormat(self.scheme.keys), keys,
-                               QuantizedFormat(self.scheme.values), values, scale, mask)
+                               QuantizedFormat(self.scheme.values), values, scale, mask, sinks=sinks)
 
 
 class QuantizedKVCache(AffineCodec, StoredKVCache):

@@ -94,6 +94,7 @@ class _Buffered:
     """What every cache backed by one ``GrowableBuffer`` (``self._buf``) answers the same way."""
 
     _buf: GrowableBuffer
+    stores_kv = True  # a K/V layer (recurrent-state layers say False)
 
     @property
     def capacity(self) -> int:

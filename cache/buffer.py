@@ -126,6 +126,20 @@ class GrowableBuffer:
         self.size -= n
         return n
 
+    def drop_front(self, n: int, capacity: int) -> None:
+        """Forget the first ``n`` written slots: the rest moves to the front of new arrays of
+        ``capacity`` slots (one copy), so a sliding window's storage stays bounded.
+
+            size 6, capacity 8   [a b c d e f . .]
+            drop_front(4, 4)     [e f . .]          size 2, capacity 4
+        """
+        keep = self.size - n
+        if self.parts is None or n <= 0:
+            return
+        pad = [(0, 0), (0, 0), (0, max(capacity, keep) - keep), (0, 0)]
+        self.parts = [mx.pad(p[:, :, n : self.size], pad) for p in self.parts]
+        self.size = keep
+
     # --- batch algebra on storage (rows = sequences along axis 0) ---
 
     def take(self, rows: Sequence[int], drop_front: int = 0) -> None:

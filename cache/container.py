@@ -28,6 +28,7 @@ from kvserve.cache import fp16 as _fp16
 from kvserve.cache.adapter import install_attention, layer_caches
 from kvserve.cache.registry import (
     batch_class_for,
+    batch_class_of,
     is_batch_cache,
     is_kvserve_cache,
     layer_scheme,
@@ -35,15 +36,36 @@ from kvserve.cache.registry import (
 )
 from kvserve.cache.scheme import KVScheme, parse_scheme
 
+from kvserve.cache.sliding import BatchSlidingKVCache, SlidingKVCache
+
 _FP16_CLASSES = (_fp16.FP16KVCache, _fp16.BatchFP16KVCache)
+SLIDING = (SlidingKVCache, BatchSlidingKVCache)
+
+
+def _store(layer: Any) -> Any:
+    """The cache that holds a layer's K/V: the layer itself, or a sliding window's store."""
+    return layer.inner if isinstance(layer, SLIDING) else layer
+
+
+def _kind(layer: Any) -> str:
+    if isinstance(layer, SLIDING):
+        return f"window{layer.window}"
+    if not layer.stores_kv:
+        return f"state{len(layer.cache)}"
+    return "kv"
+
+
+def _can_trim(layer: Any, n: int) -> bool:
+    can = getattr(layer, "can_trim", None)
+    return can(n) if can is not None else layer.is_trimmable() and n <= layer.size()
 
 
 class PromptCache(Sequence):
     """A request's (or a batch's) per-layer caches, converted in place at a threshold.
 
-    ``scheme`` is the scheme the request asked for; layers hold fp16 until ``offset`` reaches
-    ``quantize_after`` (0: they start in ``scheme``). Layers that mlx-lm makes for other
-    attention types (rotating windows, SSM state) are kept as they are and never converted.
+    ``scheme`` is the scheme the request asked for; K/V layers (full attention, and the
+    store inside a sliding window) hold fp16 until ``offset`` reaches ``quantize_after``
+    (0: they start in ``scheme``). Recurrent-state layers keep the model's dtype.
     """
 
     def __init__(self, layers: list[Any], scheme: KVScheme | str, quantize_after: int = 0):
@@ -63,7 +85,7 @@ class PromptCache(Sequence):
                 return _fp16.FP16KVCache()
             return make_layer_cache(scheme, layer_index=i, num_layers=n)
 
-        return cls(layer_caches(model, factory), scheme, quantize_after)
+        return cls(layer_caches(model, factory, scheme), scheme, quantize_after)
 
     # --- list-like, so mlx-lm models take it as ``cache=`` ---
 
@@ -75,6 +97,10 @@ class PromptCache(Sequence):
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._layers)
+
+    def __add__(self, other: list) -> list:
+        # Gemma 4 pads the cache list for its KV-shared layers: ``cache + [None] * k``.
+        return list(self._layers) + list(other)
 
     @property
     def layers(self) -> tuple[Any, ...]:
@@ -92,6 +118,22 @@ class PromptCache(Sequence):
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self._layers)
 
+    def layout(self) -> str:
+        """The layer kinds in order, runs collapsed: ``kv`` full attention, ``window<W>`` a
+        sliding window, ``state<n>`` recurrent state of n arrays (what a file must match).
+
+            >>> PromptCache([make_layer_cache("fp16") for _ in range(3)], "fp16").layout()
+            'kv*3'
+        """
+        kinds = [_kind(layer) for layer in self._layers]
+        runs: list[list] = []
+        for kind in kinds:
+            if runs and runs[-1][0] == kind:
+                runs[-1][1] += 1
+            else:
+                runs.append([kind, 1])
+        return ",".join(k if n == 1 else f"{k}*{n}" for k, n in runs)
+
     @property
     def is_batch(self) -> bool:
         return any(is_batch_cache(layer) for layer in self._layers)
@@ -102,10 +144,17 @@ class PromptCache(Sequence):
         return [layer.state for layer in self._layers]
 
     def is_trimmable(self) -> bool:
+        """Every layer can be cut to any shorter prefix (what the prefix cache asks)."""
         return all(layer.is_trimmable() for layer in self._layers)
 
+    def can_trim(self, n: int) -> bool:
+        """The last ``n`` tokens can go from every layer (a sliding window keeps a reserve,
+        a recurrent state can undo its last forward)."""
+        return all(_can_trim(layer, n) for layer in self._layers)
+
     def trim(self, n: int) -> int:
-        if not self._layers or not self.is_trimmable():
+        """Drop the last ``n`` tokens from every layer, or from none (returns 0)."""
+        if not self._layers or not self.can_trim(n):
             return 0
         trimmed = [layer.trim(n) for layer in self._layers]  # every layer, not just the first
         return trimmed[0]
@@ -113,17 +162,17 @@ class PromptCache(Sequence):
     # --- conversion, inside the container ---
 
     def _targets(self) -> list[tuple[int, KVScheme]]:
-        """(layer index, scheme) for every fp16 layer that the requested scheme would change.
+        """(layer index, scheme) for every fp16 K/V store that the requested scheme would change.
 
-        Boundary protection counts kvserve layers only, as ``layer_caches`` numbers them.
+        Boundary protection counts K/V-bearing layers only, as ``layer_caches`` numbers them.
         """
-        kv = [i for i, layer in enumerate(self._layers) if is_kvserve_cache(layer)]
+        kv = [i for i, layer in enumerate(self._layers) if layer.stores_kv]
         out = []
         for k, i in enumerate(kv):
-            layer = self._layers[i]
-            if type(layer) in _FP16_CLASSES:
+            store = _store(self._layers[i])
+            if type(store) in _FP16_CLASSES:
                 target = layer_scheme(self.scheme, k, len(kv))
-                if target != layer.scheme:
+                if target != store.scheme:
                     out.append((i, target))
         return out
 
@@ -147,7 +196,11 @@ class PromptCache(Sequence):
     def convert(self) -> None:
         """Convert every pending fp16 layer now, whatever the offset."""
         for i, target in self._targets():
-            self._layers[i] = convert_layer(self._layers[i], target)
+            layer = self._layers[i]
+            if isinstance(layer, SLIDING):  # the window stays, its store changes scheme
+                layer.inner = convert_layer(layer.inner, target)
+            else:
+                self._layers[i] = convert_layer(layer, target)
 
     # --- batch algebra, layer by layer ---
 
@@ -167,7 +220,7 @@ class PromptCache(Sequence):
         for column in zip(*(c._layers for c in caches)):
             if not is_kvserve_cache(column[0]):
                 raise TypeError(f"cannot merge {type(column[0]).__name__} layers")
-            layers.append(batch_class_for(column[0].scheme).merge(list(column)))
+            layers.append(batch_class_of(column[0]).merge(list(column)))
         return cls(layers, first.scheme, first.quantize_after)
 
     def extract(self, i: int) -> PromptCache:

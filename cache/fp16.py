@@ -77,11 +77,12 @@ class FP16Codec:
         return parts[0].astype(mx.float32), parts[1].astype(mx.float32)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-               mask: Any) -> mx.array:
-        if (isinstance(mask, mx.array) and queries.shape[2] <= GROUPED_MAX_L
+               mask: Any, sinks: mx.array | None = None) -> mx.array:
+        if (isinstance(mask, mx.array) and queries.shape[2] <= GROUPED_MAX_L and sinks is None
                 and mx.default_device().type == mx.gpu):  # the CPU keeps MLX's path (above)
             return attend_grouped(queries, keys, values, scale, mask)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
+                                                    sinks=sinks)
 
 
 class FP16KVCache(FP16Codec, StoredKVCache):

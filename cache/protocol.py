@@ -13,6 +13,10 @@ Batch layout (left padding), for sequences of 3, 1 and 4 tokens:
 
 Arrays are (B, H_kv, T, D) for keys/values before encoding; encoded storage is the family's
 own business. ``state`` returns only the first ``size()`` slots (never the padded capacity).
+
+Layer kinds: full attention (the scheme families), sliding windows (``kvserve.cache.sliding``,
+a family's cache inside a window) and recurrent state (``kvserve.cache.recurrent``, no K/V,
+no ``attend``). All answer this protocol; ``stores_kv`` tells the first two from the third.
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ class KVCacheLayer(Protocol):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Append (1, H_kv, L, D) keys/values; returns whatever ``attend`` expects back."""
 
-    def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any) -> mx.array:
+    def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any,
+               sinks: mx.array | None = None) -> mx.array:
         """Attention of (1, H_q, L, D) queries over everything stored; f32 accumulation,
-        grouped-query heads mapped without repeating K/V; returns the queries' dtype."""
+        grouped-query heads mapped without repeating K/V; ``sinks`` (H_q,) adds one valueless
+        logit per head to each softmax (gpt-oss); returns the queries' dtype."""
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """The mask for N new queries, in mlx-lm's conventions (None, "causal" or an array)."""
@@ -56,10 +62,12 @@ class KVCacheLayer(Protocol):
     def from_state(cls, scheme: KVScheme, state: tuple[mx.array, ...], meta: dict[str, str]) -> "KVCacheLayer":
         """Rebuild a cache from ``state`` and ``meta_state``."""
 
-    def is_trimmable(self) -> bool: ...
+    def is_trimmable(self) -> bool:
+        """Any shorter prefix can be restored exactly by ``trim`` (the prefix cache's question)."""
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens; returns how many were dropped."""
+        """Drop the last ``n`` tokens; returns how many were dropped. Layers that cannot trim
+        every n (sliding windows, recurrent state) answer ``can_trim(n)`` first."""
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +102,8 @@ class BatchKVCacheLayer(Protocol):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]: ...
 
-    def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any) -> mx.array: ...
+    def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any,
+               sinks: mx.array | None = None) -> mx.array: ...
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any: ...
 

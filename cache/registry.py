@@ -37,6 +37,7 @@ __all__ = [
     "SCHEME_NAMES",
     "SchemeUnavailable",
     "batch_class_for",
+    "batch_class_of",
     "cache_class_by_name",
     "family_of",
     "is_batch_cache",
@@ -44,17 +45,22 @@ __all__ = [
     "layer_scheme",
     "make_layer_cache",
     "register",
+    "register_kind",
     "registered_families",
     "single_class_for",
+    "stores_scheme",
 ]
 
 FAMILY_MODULES = {"fp16": "kvserve.cache.fp16", "affine": "kvserve.cache.affine",
                   "turbo": "kvserve.cache.turbo"}
+# Layer kinds other than full attention: they wrap a family or store no K/V at all.
+KIND_MODULES = {"sliding": "kvserve.cache.sliding", "recurrent": "kvserve.cache.recurrent"}
 BOUNDARY_LAYERS = 2  # first and last two layers of protected schemes stay affine8
 
 _FAMILIES: dict[str, tuple[type, type]] = {}
 _BY_NAME: dict[str, type] = {}
 _BATCH: set[type] = set()
+_BATCH_OF: dict[type, type] = {}  # per-request class -> its batch class
 
 
 class SchemeUnavailable(LookupError):
@@ -68,9 +74,37 @@ def register(family_kind: str, single_cls: type, batch_cls: type) -> None:
         if known is not None and known.__module__ != cls.__module__:  # a reload may replace
             raise ValueError(f"cache class name {cls.__name__} is already registered by {known.__module__}")
     _FAMILIES[family_kind] = (single_cls, batch_cls)
+    _add_classes(single_cls, batch_cls)
+
+
+def register_kind(kind: str, single_cls: type, batch_cls: type) -> None:
+    """Register the classes of a layer kind that is not a scheme family (sliding windows,
+    recurrent state): they are kvserve caches, files name them, but no scheme maps to them."""
+    if kind not in KIND_MODULES:
+        raise ValueError(f"unknown layer kind {kind!r}")
+    _add_classes(single_cls, batch_cls)
+
+
+def _add_classes(single_cls: type, batch_cls: type) -> None:
     _BY_NAME[single_cls.__name__] = single_cls
     _BY_NAME[batch_cls.__name__] = batch_cls
     _BATCH.add(batch_cls)
+    _BATCH_OF[single_cls] = batch_cls
+
+
+def batch_class_of(layer: object) -> type:
+    """The batch class that merges per-request layers like ``layer``."""
+    return _BATCH_OF[type(layer)]
+
+
+def stores_scheme(cls: type, scheme: KVScheme) -> bool:
+    """Whether instances of ``cls`` may hold ``scheme`` (wrappers and state caches: any)."""
+    if getattr(cls, "any_scheme", False):
+        return True
+    try:
+        return cls in (single_class_for(scheme), batch_class_for(scheme))
+    except SchemeUnavailable:
+        return False
 
 
 def family_of(scheme: KVScheme | str) -> str:
@@ -133,6 +167,8 @@ def cache_class_by_name(name: str) -> type:
                 _family(kind)
             except SchemeUnavailable:
                 continue
+        for module in KIND_MODULES.values():
+            importlib.import_module(module)
     if name not in _BY_NAME:
         raise KeyError(f"unknown cache class '{name}'; known: {', '.join(sorted(_BY_NAME))}")
     return _BY_NAME[name]

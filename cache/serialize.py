@@ -27,10 +27,10 @@ import mlx.core as mx
 
 from kvserve.cache.registry import (
     SchemeUnavailable,
-    batch_class_for,
     cache_class_by_name,
     is_kvserve_cache,
     single_class_for,
+    stores_scheme,
 )
 from kvserve.cache.scheme import UnknownScheme, parse_scheme
 
@@ -108,10 +108,10 @@ def _load_layer(path: Any, i: int, header: dict[str, str], tensors: dict[str, mx
     if scheme.params() != info["params"]:
         raise CacheFileError(f"{path}: layer {i} parameters {info['params']} differ from {scheme.name}'s")
     try:
-        owners = (single_class_for(scheme), batch_class_for(scheme))
+        single_class_for(scheme)
     except SchemeUnavailable as err:
         raise CacheFileError(f"{path}: layer {i}: {err}") from err
-    if cls not in owners:
+    if not stores_scheme(cls, scheme):
         raise CacheFileError(f"{path}: layer {i} class {cls.__name__} does not store scheme {scheme.name}")
     names = [f"layer.{i}.{j}" for j in range(info["tensors"])]
     missing = [n for n in names if n not in tensors]
@@ -119,7 +119,7 @@ def _load_layer(path: Any, i: int, header: dict[str, str], tensors: dict[str, mx
         raise CacheFileError(f"{path}: layer {i} is missing tensors {missing}")
     try:
         cache = cls.from_state(scheme, tuple(tensors[n] for n in names), info["meta"])
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, TypeError) as err:
         raise CacheFileError(f"{path}: layer {i} state does not match its description ({err})") from err
     if _offset(cache) != info["offset"]:
         raise CacheFileError(f"{path}: layer {i} holds offset {_offset(cache)}, recorded {info['offset']}")

@@ -174,14 +174,17 @@ class _TurboMixin:
         self._buf.append(parts)
         return self.present(self._buf.views())
 
-    def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any) -> mx.array:
+    def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any,
+               sinks: mx.array | None = None) -> mx.array:
         """Attention over what ``update_and_fetch`` returned: queries (B, H_q, L, D) ->
         (B, H_q, L, D_v) in the queries' dtype."""
         if self.phase == RAW:
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
+                                                        sinks=sinks)
         from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
 
-        return dispatch.attend(queries, self._kf, keys, self._vf, values, scale, mask, self.key_scale)
+        return dispatch.attend(queries, self._kf, keys, self._vf, values, scale, mask, self.key_scale,
+                               sinks=sinks)
 
     def dequantize(self) -> tuple[mx.array, mx.array]:
         """Stored keys and values decoded to the original basis, (B, H, T, D) float32 each.

@@ -142,16 +142,20 @@ def choose(key_fmt, value_fmt, L: int, T: int, device: mx.DeviceType | None = No
 
 def attend(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
            values: tuple[mx.array, ...], scale: float, mask: Any,
-           key_scale: mx.array | None = None) -> mx.array:
-    """Attention over stored K/V parts by the implementation ``choose`` names."""
+           key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
+    """Attention over stored K/V parts by the implementation ``choose`` names. Calls with
+    attention ``sinks`` (one logit per query head, gpt-oss) take the pure-MLX paths: the
+    fused kernels do not add the sink's term to their softmax."""
     args = (queries, key_fmt, keys, value_fmt, values, scale, mask)
     kwargs = {"key_scale": key_scale}
     device = mx.default_device().type
-    kernel = _fused_for(device, key_fmt, value_fmt, queries.shape[2])
+    kernel = None if sinks is not None else _fused_for(device, key_fmt, value_fmt, queries.shape[2])
     if kernel is not None:
         trusted = device in kernel.verified_on or kernel.checked or self_check(kernel, args, kwargs)
         if trusted:
             return kernel.fn(*args, **kwargs)
+    if sinks is not None:
+        kwargs["sinks"] = sinks
     if device == mx.cpu and keys[0].shape[2] <= CPU_FULL_MAX_T:
         return attend_full(*args, **kwargs)
     return attend_blockwise(*args, **kwargs) if device == mx.cpu else reference(*args, **kwargs)

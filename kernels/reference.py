@@ -71,16 +71,28 @@ def ungroup(out: mx.array, queries: mx.array) -> mx.array:
     return out.reshape(B, Hq, L, out.shape[-1]).astype(queries.dtype)
 
 
+def grouped_sinks(sinks: mx.array, n_kv: int) -> mx.array:
+    """One sink logit per query head (H_q,) -> (1, H_kv, n_rep, 1, 1) f32, against scores."""
+    return sinks.astype(F32).reshape(1, n_kv, -1, 1, 1)
+
+
 def attend_full(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
                 values: tuple[mx.array, ...], scale: float, mask: Any,
-                key_scale: mx.array | None = None) -> mx.array:
+                key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
     """One (B, H_kv, n_rep, L, T) f32 score matrix over the whole context; the same ops as
-    ``attend_quantized`` / ``attend_encoded``. Fastest for short contexts on the CPU."""
+    ``attend_quantized`` / ``attend_encoded``. Fastest for short contexts on the CPU.
+
+    ``sinks`` (H_q,): a logit per query head that joins each softmax as one more column
+    and carries no value (gpt-oss), as in ``mx.fast.scaled_dot_product_attention``."""
     Hkv, T = keys[0].shape[1], keys[0].shape[2]
     q = group_queries(queries, key_fmt, Hkv, scale, key_scale)
     s = key_fmt.scores(q, keys)  # (B, H_kv, R, L, T)
     s = apply_mask(s, grouped_mask(mask, Hkv, q.shape[2], q.shape[3], T))
-    p = mx.softmax(s, axis=-1, precise=True)
+    if sinks is not None:
+        sink = mx.broadcast_to(grouped_sinks(sinks, Hkv), (*s.shape[:-1], 1))
+        p = mx.softmax(mx.concatenate([s, sink], axis=-1), axis=-1, precise=True)[..., :T]
+    else:
+        p = mx.softmax(s, axis=-1, precise=True)
     return ungroup(value_fmt.finish(value_fmt.accumulate(p, values)), queries)
 
 
@@ -123,7 +135,8 @@ def online_step(state: tuple[mx.array, mx.array, mx.array] | None, s: mx.array, 
 
 def attend_blockwise(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
                      values: tuple[mx.array, ...], scale: float, mask: Any,
-                     key_scale: mx.array | None = None, block: int = DEFAULT_BLOCK) -> mx.array:
+                     key_scale: mx.array | None = None, block: int = DEFAULT_BLOCK,
+                     sinks: mx.array | None = None) -> mx.array:
     """Attention of (B, H_q, L, D) queries over T stored tokens, ``block`` tokens at a time.
 
     At most one block's scores (B, H_kv, n_rep, L, block) and one block's transient
@@ -146,7 +159,12 @@ def attend_blockwise(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], val
             # one is consumed and the peak is that of the full path (297 MiB against 100
             # for turbo8v3 at T=4096, block 512).
             mx.eval(state)
-    _, l, acc = state
+    m, l, acc = state
+    if sinks is not None:  # the sink joins the softmax's sum as a block of one valueless slot
+        sink = grouped_sinks(sinks, Hkv)
+        top = mx.maximum(m, sink)
+        alpha = mx.exp(m - top)
+        l, acc = alpha * l + mx.exp(sink - top), alpha * acc
     return ungroup(value_fmt.finish(acc / l), queries)
 
 

@@ -158,14 +158,16 @@ def test_install_attention_is_idempotent_and_reversible(model):
     assert install_attention(model) == 1
 
 
-def test_dispatcher_refuses_attention_sinks(model):
+def test_dispatcher_hands_attention_sinks_to_the_cache(model):
     install_attention(model)
     cache = make_layer_cache("fp16")
     k = mx.zeros((1, 2, 3, 64))
-    keys, values = cache.update_and_fetch(k, k)
-    with pytest.raises(NotImplementedError):
-        llama.scaled_dot_product_attention(mx.zeros((1, 4, 3, 64)), keys, values, cache=cache,
-                                           scale=1.0, mask=None, sinks=mx.zeros((4,)))
+    keys, values = cache.update_and_fetch(k, k + 1)  # sinks scale the output down: 1 -> 0.03
+    q, sinks = mx.zeros((1, 4, 3, 64)), mx.full((4,), 5.0)
+    got = llama.scaled_dot_product_attention(q, keys, values, cache=cache, scale=1.0, mask=None,
+                                             sinks=sinks)
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=None, sinks=sinks)
+    assert mx.array_equal(got, want).item() and 0 < got.max().item() < 0.05
 
 
 def test_from_mlx_lm_keeps_the_tokens(model):

@@ -282,7 +282,8 @@ def check_identity(header: Header, ns: Namespace, name: str) -> None:
 def _check_namespace(md: dict[str, str], ns: Namespace) -> None:
     ident = ns.identity()
     for field, reason in (("model", "model"), ("tokenizer", "tokenizer"), ("scheme", "scheme"),
-                          ("scheme_params", "scheme_params"), ("quantize_after", "scheme_params")):
+                          ("scheme_params", "scheme_params"), ("quantize_after", "scheme_params"),
+                          ("layout", "layout")):
         if md.get(f"user.{field}") != ident[field]:
             raise FileRefused(reason, f"{field} {md.get(f'user.{field}')!r}, this server has {ident[field]!r}")
 

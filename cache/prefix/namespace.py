@@ -2,8 +2,10 @@
 
 A ``Namespace`` is everything besides the token ids that decides the KV values: the model
 (weights and configuration, as a fingerprint), the tokenizer, the full KV scheme with every
-parameter, and ``quantize_after`` (which tokens a container holds in fp16). Entries of one
-namespace never serve another: files record it and are refused on any difference.
+parameter, ``quantize_after`` (which tokens a container holds in fp16) and the layout of
+layer kinds (``PromptCache.layout``, e.g. ``kv,window16*3,kv``: full attention, sliding
+windows, recurrent state). Entries of one namespace never serve another: files record it and
+are refused on any difference, with the field that differs as the reason.
 
     >>> from kvserve.cache.scheme import parse_scheme
     >>> ns = Namespace(model="m1", tokenizer="t1", scheme=parse_scheme("affine4-g32"))
@@ -73,6 +75,7 @@ class Namespace:
     tokenizer: str
     scheme: KVScheme
     quantize_after: int = 0
+    layout: str = ""
 
     def __post_init__(self):
         if isinstance(self.scheme, str):
@@ -87,7 +90,7 @@ class Namespace:
         return {"prefix_version": PREFIX_VERSION, "model": self.model, "tokenizer": self.tokenizer,
                 "scheme": self.scheme.name,
                 "scheme_params": json.dumps(self.scheme.params(), sort_keys=True),
-                "quantize_after": str(self.quantize_after)}
+                "quantize_after": str(self.quantize_after), "layout": self.layout}
 
     @property
     def digest(self) -> str:

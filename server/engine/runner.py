@@ -365,7 +365,10 @@ class ModelRunner:
         key back (the device may still compute the step; nothing reads it)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and self._batch is not None:
-            self._batch.trim(1)
+            # Every layer kind can drop its last token: windows keep a reserve, recurrent
+            # states the arrays the queued forward replaced.
+            if self._batch.trim(1) != 1:
+                raise RuntimeError(f"cannot undo the queued decode step of {self._batch!r}")
             ahead.draw.undo()
 
     # ---- preemption: a request's cache goes to a swap file and comes back as it was -----
