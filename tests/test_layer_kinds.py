@@ -20,7 +20,7 @@ from kvserve.cache import (
     parse_scheme,
     save_layers,
 )
-from kvserve.cache.adapter import UnsupportedLayers, layer_caches
+from kvserve.cache.adapter import UnsupportedLayers, install_attention, layer_caches
 from kvserve.cache.base import causal_mask
 from kvserve.cache.sliding import RESERVE, slack_for
 from kvserve.kernels.reference import attend_blockwise, attend_full
@@ -301,3 +301,15 @@ def test_hybrid_layout_names_its_state_layers():
                                 tie_word_embeddings=False, mlp_only_layers=[], norm_topk_prob=True)
     cache = PromptCache.for_model(qwen3_next.Model(args), "fp16")
     assert cache.layout() == "state2,kv,state2,kv"
+
+
+def test_a_kv_shared_layer_attends_through_the_cache_it_shares(gemma):
+    """Gemma 4's shared layers pass the source layer's K/V with ``cache=None``: for a
+    quantized scheme those are stored parts, which only the source cache can read."""
+    install_attention(gemma)
+    cache = make_layer_cache("affine4")
+    keys, values = cache.update_and_fetch(*kv(1, 2, 9, 64, 1, mx.float32))
+    q = rand((1, 4, 1, 64), 2, mx.float32)
+    own = gemma3_text.scaled_dot_product_attention(q, keys, values, cache=cache, scale=0.125, mask=None)
+    shared = gemma3_text.scaled_dot_product_attention(q, keys, values, cache=None, scale=0.125, mask=None)
+    assert mx.array_equal(own, shared).item()

@@ -58,6 +58,7 @@ SEEDED = replace(SEEDED, values=replace(SEEDED.values, seed=44))
     (Namespace("model-fp", "other-tok", "affine4-g32"), None, "tokenizer"),
     (Namespace("model-fp", "tok-hash", "affine4"), None, "scheme"),  # group 64, not 32
     (Namespace("model-fp", "tok-hash", "affine4-g32", quantize_after=256), None, "scheme_params"),
+    (Namespace("model-fp", "tok-hash", "affine4-g32", layout="window512*5,kv"), None, "layout"),
     (NS, {"user.prefix_version": "2"}, "version"),
     (NS, {"format_version": "9"}, "version"),
 ])

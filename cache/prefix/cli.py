@@ -17,8 +17,8 @@ file; ``clear`` deletes entry files and leftover temporary files, and nothing el
     >>> cache_command(parser.parse_args(["cache", "stats", "--prompt-cache-dir", str(d)]), out)
     0
     >>> print(out.getvalue().strip())
-    1 entry files, 936 bytes; 0 temporary files
-      1 files          936 bytes  model model-a  tokenizer tok-a  scheme affine8  quantize_after 0  version 1
+    1 entry files, 952 bytes; 0 temporary files
+      1 files          952 bytes  model model-a  tokenizer tok-a  scheme affine8  quantize_after 0  version 1
     >>> cache_command(parser.parse_args(["cache", "clear", "--prompt-cache-dir", str(d)]), io.StringIO())
     0
     >>> sorted(d.iterdir())

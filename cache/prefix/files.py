@@ -20,6 +20,7 @@ the prefix cache adds:
     user.scheme_params    JSON of every scheme parameter: bits, group size, mode, seed of
                           keys and values, calibration, boundary layers ("scheme_params")
     user.quantize_after   fp16 threshold of the container         ("scheme_params")
+    user.layout           layer kinds in order, e.g. window512*5,kv  ("layout")
     user.num_tokens       tokens stored (the caches' offset)
     user.tokens           the token ids, base64 of little-endian uint32
     user.tokens_digest    sha256 hex of those bytes
@@ -80,7 +81,7 @@ NP_DTYPES = {"F16": "<f2", "BF16": "<u2", "F32": "<f4", "F64": "<f8", "U8": "u1"
 # Why a file is not loaded. The first three mean the file is damaged: it is deleted.
 # The others mean it belongs to another server or build: it is kept, never loaded.
 DAMAGED = ("truncated", "corrupt", "checksum")
-FOREIGN = ("version", "model", "tokenizer", "scheme", "scheme_params")
+FOREIGN = ("version", "model", "tokenizer", "scheme", "scheme_params", "layout")
 REASONS = DAMAGED + FOREIGN
 
 _temp_counter = itertools.count()
@@ -107,7 +108,7 @@ def entry_metadata(ns: Namespace, tokens: Sequence[int], floor: int,
     ident = ns.identity()
     md = {"format": FORMAT, "format_version": FORMAT_VERSION, **layers}
     md.update({f"user.{k}": ident[k] for k in ("prefix_version", "model", "tokenizer", "scheme",
-                                                "scheme_params", "quantize_after")})
+                                                "scheme_params", "quantize_after", "layout")})
     md.update({"user.num_tokens": str(len(tokens)), "user.tokens": base64.b64encode(raw).decode(),
                "user.tokens_digest": hashlib.sha256(raw).hexdigest(), "user.floor": str(floor)})
     return md
