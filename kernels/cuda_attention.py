@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 from kvserve.kernels.cuda_source import (
     HEADER,
-    MERGE_BODY,
+    merge_body,
     NT,
     ROTATE_BODY,
     TT,
@@ -145,10 +145,11 @@ _C_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "flo
 
 
 @functools.cache
-def _merge_kernel():
-    return mx.fast.cuda_kernel(name=kernel_name("kvs_attn_merge", MERGE_BODY),
-                               input_names=["o_part", "ml_part"], output_names=["out"],
-                               source=MERGE_BODY)
+def _merge_kernel(sinks: bool = False):
+    body = merge_body(sinks)
+    return mx.fast.cuda_kernel(name=kernel_name("kvs_attn_merge", body),
+                               input_names=["o_part", "ml_part", *(["sink_rows"] if sinks else [])],
+                               output_names=["out"], source=body)
 
 
 @functools.cache
@@ -246,10 +247,10 @@ def launchable(queries: mx.array, kl: Layout, vl: Layout, keys: tuple[mx.array, 
 
 def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
                 values: tuple[mx.array, ...], scale: float, mask: Any,
-                key_scale: mx.array | None = None) -> mx.array:
+                key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
     """Attention of (B, H_q, L, D) queries over stored K/V parts (B, H_kv, T, W): the
     fused kernels where they apply, else the blockwise reference. Returns the queries'
-    dtype, (B, H_q, L, D).
+    dtype, (B, H_q, L, D). ``sinks`` (H_q,) join the merge's softmax (``merge_body``).
 
     A decode step calls this once per layer with the same shapes but T, so what does not
     depend on T (formats, layouts, which pass, its compiled kernel and constants) is
@@ -259,7 +260,8 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     fam = _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale)
     if fam is None or T == 0 or T > MAX_ELEMS - TT or any(a.shape[2] != T for a in (*keys, *values)) \
             or not _mask_fits(mask, queries.shape, T):
-        return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale)
+        return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale,
+                                sinks=sinks)
     kl, vl, kind = fam.kl, fam.vl, fam.mask_kind
     mask_in = [mask4(mask)] if kind >= 2 else []
     if fam.mma is not None:
@@ -270,8 +272,10 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     B, Hq, L, D = queries.shape
     turbo_v = vl.kind == "turbo"
     out_dtype = F32 if turbo_v else queries.dtype
-    (out,) = _merge_kernel()(
-        inputs=[o_part, ml_part], template=[("OT", out_dtype)], grid=(B * Hq * L * D, 1, 1),
+    sink_in = [] if sinks is None else [mx.contiguous(mx.broadcast_to(
+        sinks.astype(F32)[None, :, None], (B, Hq, L)))]  # (B, H_q, L): one per merged row
+    (out,) = _merge_kernel(sinks is not None)(
+        inputs=[o_part, ml_part, *sink_in], template=[("OT", out_dtype)], grid=(B * Hq * L * D, 1, 1),
         threadgroup=(256, 1, 1), output_shapes=[(B, Hq, L, D)], output_dtypes=[out_dtype])
     if turbo_v:  # one inverse rotation of the merged accumulator (``value_fmt.finish``)
         out = _rotate(out, value_fmt.codec.pi).reshape(B, Hq, L, D).astype(queries.dtype)

@@ -407,10 +407,10 @@ MERGE_BODY = r"""
   const int D = o_part_shape[3];
   if (idx >= n_rows * D) return;
   const int64_t row = idx / D;
-  float M = -INFINITY;
+  float M = SINK_M;
   for (int s = 0; s < S; ++s) M = fmaxf(M, ml_part[(s * n_rows + row) * 2]);
   const float base = M == -INFINITY ? 0.f : M;
-  float l = 0.f, o = 0.f;
+  float l = SINK_L, o = 0.f;
   for (int s = 0; s < S; ++s) {
     const float w = __expf(ml_part[(s * n_rows + row) * 2] - base);
     l = fmaf(w, ml_part[(s * n_rows + row) * 2 + 1], l);
@@ -418,6 +418,20 @@ MERGE_BODY = r"""
   }
   out[idx] = static_cast<OT>(o / l);
 """
+
+
+def merge_body(sinks: bool) -> str:
+    """The merge of the splits' partial softmaxes. With attention sinks (gpt-oss) the row's
+    sink logit (``sink_rows``, one per (b, h, query)) is one more split holding no value:
+    it raises the running max and adds exp(sink - max) to the sum, never to the output.
+
+        >>> "sink_rows[row]" in merge_body(True), "sink_rows" in merge_body(False)
+        (True, False)
+    """
+    if sinks:
+        return MERGE_BODY.replace("SINK_M", "sink_rows[row]").replace(
+            "float l = SINK_L", "float l = __expf(sink_rows[row] - base)")
+    return MERGE_BODY.replace("SINK_M", "-INFINITY").replace("SINK_L", "0.f")
 
 
 def _base(prefix: str, n_parts: int) -> str:

@@ -66,6 +66,12 @@ class FusedKernel:
     fn: Callable[..., mx.array]
     verified_on: tuple[mx.DeviceType, ...] = ()
     checked: bool | None = field(default=None, compare=False)  # None: not yet self-checked
+    checked_sinks: bool | None = field(default=None, compare=False)  # the same, calls with sinks
+
+    def verdict(self, sinks: bool) -> bool | None:
+        """The self-check's verdict for calls with or without attention sinks (their merge
+        differs, so each is checked on its own first call)."""
+        return self.checked_sinks if sinks else self.checked
 
 
 _KERNELS: list[FusedKernel] = []
@@ -109,18 +115,19 @@ def self_check(kernel: FusedKernel, args: tuple, kwargs: dict) -> bool:
     if not ok:
         log.warning("attention kernel %s failed its self-check against the reference; "
                     "using the pure-MLX reference instead", kernel.name)
-    kernel.checked = ok
+    setattr(kernel, "checked_sinks" if "sinks" in kwargs else "checked", ok)
     return ok
 
 
-def _fused_for(device: mx.DeviceType, key_fmt, value_fmt, L: int) -> FusedKernel | None:
+def _fused_for(device: mx.DeviceType, key_fmt, value_fmt, L: int,
+               sinks: bool = False) -> FusedKernel | None:
     key = (device, format_key(key_fmt), format_key(value_fmt), L)
     candidates = _CANDIDATES.get(key)
     if candidates is None:
         candidates = _CANDIDATES[key] = tuple(
             k for k in _KERNELS if k.device == device and k.supports(key_fmt, value_fmt, L))
     for kernel in candidates:
-        if kernel.checked is not False:
+        if kernel.verdict(sinks) is not False:
             return kernel
     return None
 
@@ -143,19 +150,17 @@ def choose(key_fmt, value_fmt, L: int, T: int, device: mx.DeviceType | None = No
 def attend(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
            values: tuple[mx.array, ...], scale: float, mask: Any,
            key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
-    """Attention over stored K/V parts by the implementation ``choose`` names. Calls with
-    attention ``sinks`` (one logit per query head, gpt-oss) take the pure-MLX paths: the
-    fused kernels do not add the sink's term to their softmax."""
+    """Attention over stored K/V parts by the implementation ``choose`` names; ``sinks``
+    (one logit per query head, gpt-oss) reach every implementation."""
     args = (queries, key_fmt, keys, value_fmt, values, scale, mask)
-    kwargs = {"key_scale": key_scale}
+    kwargs = {"key_scale": key_scale} if sinks is None else {"key_scale": key_scale, "sinks": sinks}
     device = mx.default_device().type
-    kernel = None if sinks is not None else _fused_for(device, key_fmt, value_fmt, queries.shape[2])
+    kernel = _fused_for(device, key_fmt, value_fmt, queries.shape[2], sinks is not None)
     if kernel is not None:
-        trusted = device in kernel.verified_on or kernel.checked or self_check(kernel, args, kwargs)
+        trusted = (device in kernel.verified_on or kernel.verdict(sinks is not None)
+                   or self_check(kernel, args, kwargs))
         if trusted:
             return kernel.fn(*args, **kwargs)
-    if sinks is not None:
-        kwargs["sinks"] = sinks
     if device == mx.cpu and keys[0].shape[2] <= CPU_FULL_MAX_T:
         return attend_full(*args, **kwargs)
     return attend_blockwise(*args, **kwargs) if device == mx.cpu else reference(*args, **kwargs)

@@ -151,6 +151,23 @@ def test_unverified_kernel_runs_only_after_its_self_check(good, caplog):
         dispatch.unregister_kernel("test-kernel")
 
 
+def test_calls_with_sinks_are_self_checked_on_their_own():
+    """A kernel whose plain calls passed is not trusted with attention sinks until a call
+    with sinks has passed too (the sinks change its merge)."""
+    q, kf, kp, vf, vp, _, _ = _case("affine4", 1, 2, 64, 80, 1, mx.float32)
+    no_sinks = lambda *a, sinks=None, **k: attend_full(*a, **k)  # noqa: E731 (ignores them)
+    kernel = _kernel("test-kernel", no_sinks)
+    dispatch.register_kernel(kernel)
+    try:
+        dispatch.attend(q, kf, kp, vf, vp, 0.125, None)
+        sinks = mx.array([4.0, 0.0, 1.0, -1.0])
+        out = dispatch.attend(q, kf, kp, vf, vp, 0.125, None, sinks=sinks)
+        assert (kernel.checked, kernel.checked_sinks) == (True, False)
+        assert mx.allclose(out, attend_full(q, kf, kp, vf, vp, 0.125, None, sinks=sinks), atol=1e-5).item()
+    finally:
+        dispatch.unregister_kernel("test-kernel")
+
+
 @pytest.mark.parametrize("module", [reference, dispatch, bench])
 def test_doctests(module):
     assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0

@@ -137,15 +137,17 @@ def test_doctests(module):
 @pytest.mark.parametrize("name", ["affine4", "affine8", "mxfp4", "turbo0v4", "turbo8v3", "turbo4"])
 @pytest.mark.parametrize("L", [1, 4])
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-4), (mx.float16, 4e-3)])  # f32 / tensor-core pass
-def test_kernel_matches_the_reference_on_gpu(name, L, dtype, tol):
+@pytest.mark.parametrize("sinks", [None, (-2.0, 0.0, 1.0, 3.0, 0.5, 6.0, -1.0, 2.0)])  # gpt-oss
+def test_kernel_matches_the_reference_on_gpu(name, L, dtype, tol, sinks):
     D, T, B, Hkv, R = 128, 300, 2, 2, 4
     kf, kp, vf, vp = _formats(name, D, T, B, Hkv)
     q = mx.random.normal((B, Hkv * R, L, D), key=mx.random.key(5)).astype(dtype)
+    sinks = None if sinks is None else mx.array(sinks)
     with mx.stream(mx.gpu):
-        got = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, "causal")
+        got = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, "causal", sinks=sinks)
         mx.eval(got)
     with mx.stream(mx.cpu):
-        want = attend_full(q.astype(mx.float32), kf, kp, vf, vp, D ** -0.5, "causal")
+        want = attend_full(q.astype(mx.float32), kf, kp, vf, vp, D ** -0.5, "causal", sinks=sinks)
         assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() <= tol
 
 
