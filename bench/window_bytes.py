@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -43,9 +42,8 @@ def gemma_shaped() -> gemma3_text.Model:
     return model
 
 
-def fill(model, cache, context: int) -> float:
-    """Prefill ``context`` tokens in chunks, decode ``DECODE``; returns seconds."""
-    start = time.perf_counter()
+def fill(model, cache, context: int) -> None:
+    """Prefill ``context`` tokens in chunks, then decode ``DECODE``."""
     tokens = mx.random.randint(0, 1024, (1, context), key=mx.random.key(1))
     for a in range(0, context, CHUNK):
         model(tokens[:, a:a + CHUNK], cache=cache)
@@ -55,7 +53,6 @@ def fill(model, cache, context: int) -> float:
     for _ in range(DECODE):
         model(mx.array([[7]]), cache=cache)
         mx.eval([c.state for c in cache])
-    return time.perf_counter() - start
 
 
 def stored_bytes(cache: PromptCache) -> int:
@@ -72,18 +69,18 @@ def stored_tokens(cache) -> str:
 def measure(model, scheme: str, context: int) -> list[dict]:
     rows = []
     windowed = PromptCache.for_model(model, scheme)
-    seconds = fill(model, windowed, context)
+    fill(model, windowed, context)
     rows.append({"scheme": scheme, "caches": "kvserve (sliding windows)", "bytes": windowed.nbytes,
-                 "stored": stored_bytes(windowed), "tokens": stored_tokens(windowed), "s": seconds})
+                 "stored": stored_bytes(windowed), "tokens": stored_tokens(windowed)})
     assert isinstance(windowed[0], SlidingKVCache)
     full = PromptCache([make_layer_cache(parse_scheme(scheme)) for _ in model.layers], scheme)
-    seconds = fill(model, full, context)
+    fill(model, full, context)
     rows.append({"scheme": scheme, "caches": "kvserve, full caches in every layer", "bytes": full.nbytes,
-                 "stored": stored_bytes(full), "tokens": stored_tokens(full), "s": seconds})
+                 "stored": stored_bytes(full), "tokens": stored_tokens(full)})
     if scheme == "fp16":
         theirs = mlx_cache.make_prompt_cache(model)
-        seconds = fill(model, theirs, context)
-        rows.append({"scheme": scheme, "caches": "mlx-lm make_prompt_cache", "s": seconds,
+        fill(model, theirs, context)
+        rows.append({"scheme": scheme, "caches": "mlx-lm make_prompt_cache",
                      "bytes": sum(c.nbytes for c in theirs), "tokens": stored_tokens(theirs),
                      "stored": sum(k.nbytes + v.nbytes for k, v in
                                    (c.keys_and_values() for c in theirs))})
@@ -94,13 +91,13 @@ def report(rows: list[dict], context: int) -> str:
     lines = [f"Gemma-3-270M-shaped attention, 6 layers (5 sliding, window 512, 1 full), "
              f"{context} + {DECODE} tokens, {platform.machine()} CPU, MLX {mx.__version__}.", "",
              "| scheme | caches | KV MiB allocated | KV MiB stored | tokens stored (sliding / full layer) "
-             "| allocated vs full caches | fill s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| allocated vs full caches |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     full = {r["scheme"]: r["bytes"] for r in rows if r["caches"].startswith("kvserve, full")}
     for r in rows:
         lines.append(f"| {r['scheme']} | {r['caches']} | {r['bytes'] / 2**20:.2f} | "
                      f"{r['stored'] / 2**20:.2f} | {r['tokens']} | "
-                     f"{r['bytes'] / full[r['scheme']]:.2f}x | {r['s']:.1f} |")
+                     f"{r['bytes'] / full[r['scheme']]:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
