@@ -30,11 +30,12 @@ from kvserve.cache.serialize import CacheFileError, load_layers, save_layers
 from kvserve.cache.turbo import BatchTurboKVCache, TurboKVCache
 from kvserve.cache.sliding import BatchSlidingKVCache, SlidingKVCache
 from kvserve.cache.recurrent import BatchStateCache, StateCache
+from kvserve.cache.parallel import BatchParallelCache, ParallelCache
 from kvserve.cache.adapter import UnsupportedLayers
 
 __all__ = [
     "SCHEME_NAMES", "BatchFP16KVCache", "BatchSlidingKVCache", "BatchStateCache", "SlidingKVCache",
-    "StateCache", "UnsupportedLayers", "BatchKVCacheLayer", "BatchQuantizedKVCache",
+    "StateCache", "UnsupportedLayers", "ParallelCache", "BatchParallelCache", "BatchKVCacheLayer", "BatchQuantizedKVCache",
     "BatchStoredKVCache", "CacheFileError", "ComponentFormat", "FP16KVCache", "GrowableBuffer",
     "KVCacheLayer", "KVScheme", "PromptCache", "QuantizedKVCache", "SchemeUnavailable",
     "StoredKVCache", "TurboKVCache", "BatchTurboKVCache", "UnknownScheme", "batch_class_for", "cache_class_by_name", "family_of",

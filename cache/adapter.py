@@ -14,6 +14,7 @@ cache stands for each cache mlx-lm's ``make_cache`` returns (``layer_caches``):
     KVCache                              ->  factory(k, n): the scheme's full-attention cache
     RotatingKVCache(max_size=W, keep=0)  ->  SlidingKVCache(factory(k, n), W)
     ArraysCache(size=s)                  ->  StateCache(s): recurrent state in the model's dtype
+    CacheList(a, b)                      ->  ParallelCache([ours(a), ours(b)]): side by side
     anything else                        ->  UnsupportedLayers, naming the layer and the class
 
 and converting mlx-lm's ``KVCache`` (``from_mlx_lm``; mlx-lm 0.32.2 caches have no
@@ -114,9 +115,6 @@ def layer_caches(model: nn.Module, factory: Callable[[int, int], Any], scheme: A
     """One kvserve cache per cache mlx-lm's ``make_cache`` returns (table above); ``factory(k,
     n)`` makes the K/V store of the k-th of n K/V-bearing layers. ``UnsupportedLayers`` for
     a cache class without a kvserve counterpart."""
-    from kvserve.cache.recurrent import StateCache
-    from kvserve.cache.sliding import SlidingKVCache
-
     if not hasattr(model, "make_cache"):  # mlx-lm's own rule (make_prompt_cache)
         n = len(model.layers)
         return [factory(k, n) for k in range(n)]
@@ -125,17 +123,30 @@ def layer_caches(model: nn.Module, factory: Callable[[int, int], Any], scheme: A
         reason = unsupported_reason(c)
         if reason:
             raise UnsupportedLayers(f"layer {i}: {reason}")
-    kv = [i for i, c in enumerate(theirs) if not isinstance(c, mlx_cache.ArraysCache)]
+    kv = [i for i, c in enumerate(theirs) if _holds_kv(c)]
     rank = {i: k for k, i in enumerate(kv)}
-    out = []
-    for i, c in enumerate(theirs):
-        if isinstance(c, mlx_cache.ArraysCache):
-            out.append(StateCache(len(c.cache), **({"scheme": scheme} if scheme is not None else {})))
-        elif isinstance(c, mlx_cache.RotatingKVCache):
-            out.append(SlidingKVCache(factory(rank[i], len(kv)), c.max_size))
-        else:
-            out.append(factory(rank[i], len(kv)))
-    return out
+    return [_ours(c, lambda i=i: factory(rank[i], len(kv)), scheme) for i, c in enumerate(theirs)]
+
+
+def _holds_kv(cache: Any) -> bool:
+    if isinstance(cache, mlx_cache.CacheList):
+        return any(_holds_kv(c) for c in cache.caches)
+    return not isinstance(cache, mlx_cache.ArraysCache)
+
+
+def _ours(cache: Any, store: Callable[[], Any], scheme: Any) -> Any:
+    """The kvserve cache for one of mlx-lm's; ``store()`` makes the layer's K/V store."""
+    from kvserve.cache.parallel import ParallelCache
+    from kvserve.cache.recurrent import StateCache
+    from kvserve.cache.sliding import SlidingKVCache
+
+    if isinstance(cache, mlx_cache.CacheList):
+        return ParallelCache([_ours(c, store, scheme) for c in cache.caches])
+    if isinstance(cache, mlx_cache.ArraysCache):
+        return StateCache(len(cache.cache), **({"scheme": scheme} if scheme is not None else {}))
+    if isinstance(cache, mlx_cache.RotatingKVCache):
+        return SlidingKVCache(store(), cache.max_size)
+    return store()
 
 
 def unsupported_reason(cache: Any) -> str | None:
@@ -143,6 +154,9 @@ def unsupported_reason(cache: Any) -> str | None:
     kind = type(cache)
     if kind is mlx_cache.KVCache or kind is mlx_cache.ArraysCache:
         return None
+    if kind is mlx_cache.CacheList:
+        reasons = [r for r in map(unsupported_reason, cache.caches) if r]
+        return f"a cache list holding {reasons[0]}" if reasons else None
     if kind is mlx_cache.RotatingKVCache:
         return None if cache.keep == 0 else f"a rotating cache that keeps {cache.keep} first tokens"
     return f"mlx-lm's {kind.__name__} (no kvserve cache for this layer kind)"

@@ -37,17 +37,36 @@ from kvserve.cache.registry import (
 from kvserve.cache.scheme import KVScheme, parse_scheme
 
 from kvserve.cache.sliding import BatchSlidingKVCache, SlidingKVCache
+from kvserve.cache.parallel import BatchParallelCache, ParallelCache
 
 _FP16_CLASSES = (_fp16.FP16KVCache, _fp16.BatchFP16KVCache)
 SLIDING = (SlidingKVCache, BatchSlidingKVCache)
+PARALLEL = (ParallelCache, BatchParallelCache)
 
 
 def _store(layer: Any) -> Any:
-    """The cache that holds a layer's K/V: the layer itself, or a sliding window's store."""
+    """The cache that holds a layer's K/V: the layer itself, a sliding window's store, or
+    that of a parallel layer's K/V part."""
+    if isinstance(layer, PARALLEL):
+        return _store(next(p for p in layer.parts if p.stores_kv))
     return layer.inner if isinstance(layer, SLIDING) else layer
 
 
+def _converted(layer: Any, target: KVScheme) -> Any:
+    """``layer`` with its fp16 K/V store converted to ``target``; windows and parallel layers
+    stay the same objects (their holders see the new store)."""
+    if isinstance(layer, SLIDING):
+        layer.inner = convert_layer(layer.inner, target)
+        return layer
+    if isinstance(layer, PARALLEL):
+        layer.parts = [_converted(p, target) if p.stores_kv else p for p in layer.parts]
+        return layer
+    return convert_layer(layer, target)
+
+
 def _kind(layer: Any) -> str:
+    if isinstance(layer, PARALLEL):
+        return "(" + "|".join(_kind(p) for p in layer.parts) + ")"
     if isinstance(layer, SLIDING):
         return f"window{layer.window}"
     if not layer.stores_kv:
@@ -196,11 +215,7 @@ class PromptCache(Sequence):
     def convert(self) -> None:
         """Convert every pending fp16 layer now, whatever the offset."""
         for i, target in self._targets():
-            layer = self._layers[i]
-            if isinstance(layer, SLIDING):  # the window stays, its store changes scheme
-                layer.inner = convert_layer(layer.inner, target)
-            else:
-                self._layers[i] = convert_layer(layer, target)
+            self._layers[i] = _converted(self._layers[i], target)
 
     # --- batch algebra, layer by layer ---
 

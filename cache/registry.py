@@ -54,7 +54,8 @@ __all__ = [
 FAMILY_MODULES = {"fp16": "kvserve.cache.fp16", "affine": "kvserve.cache.affine",
                   "turbo": "kvserve.cache.turbo"}
 # Layer kinds other than full attention: they wrap a family or store no K/V at all.
-KIND_MODULES = {"sliding": "kvserve.cache.sliding", "recurrent": "kvserve.cache.recurrent"}
+KIND_MODULES = {"sliding": "kvserve.cache.sliding", "recurrent": "kvserve.cache.recurrent",
+                "parallel": "kvserve.cache.parallel"}
 BOUNDARY_LAYERS = 2  # first and last two layers of protected schemes stay affine8
 
 _FAMILIES: dict[str, tuple[type, type]] = {}

@@ -8,9 +8,11 @@ import pytest
 from mlx_lm.models import gemma3_text, qwen3_next
 
 from kvserve.cache import (
+    BatchParallelCache,
     BatchSlidingKVCache,
     BatchStateCache,
     CacheFileError,
+    ParallelCache,
     PromptCache,
     SlidingKVCache,
     StateCache,
@@ -313,3 +315,31 @@ def test_a_kv_shared_layer_attends_through_the_cache_it_shares(gemma):
     own = gemma3_text.scaled_dot_product_attention(q, keys, values, cache=cache, scale=0.125, mask=None)
     shared = gemma3_text.scaled_dot_product_attention(q, keys, values, cache=None, scale=0.125, mask=None)
     assert mx.array_equal(own, shared).item()
+
+
+# --- side-by-side caches (Falcon-H1's CacheList) ---
+
+def parallel(tokens: int, seed: int) -> ParallelCache:
+    layer = ParallelCache([StateCache(1), make_layer_cache("fp16")])
+    layer[0][0] = mx.full((1, 3), float(seed))
+    layer[0].advance(tokens)
+    layer[1].update_and_fetch(*kv(1, 2, tokens, 64, seed, mx.float32))
+    return layer
+
+
+def test_parallel_parts_batch_row_by_row_and_round_trip(tmp_path):
+    batch = BatchParallelCache.merge([parallel(5, 1), parallel(9, 2)])
+    assert batch.offset.tolist() == [5, 9] and batch[1].lengths == [5, 9]
+    row = batch.extract(0)
+    assert row.offset == 5 and row[0][0].tolist() == [[1.0] * 3]
+    (back,), _ = load_layers(save_layers(tmp_path / "p", [batch]))
+    assert type(back) is BatchParallelCache and [type(p) for p in back.parts] == [BatchStateCache,
+                                                                                  type(batch[1])]
+    assert all(mx.array_equal(x, y).item() for x, y in zip(back.state, batch.state))
+    assert not batch.is_trimmable() and not batch.can_trim(1)  # the state took no forward here
+
+
+def test_a_container_converts_the_kv_part_of_a_parallel_layer():
+    cache = PromptCache([parallel(6, 1)], "affine4", quantize_after=4)
+    assert cache.layout() == "(state1|kv)" and cache.maybe_convert()
+    assert type(cache[0][1]).__name__ == "QuantizedKVCache" and cache[0][1].offset == 6
