@@ -62,7 +62,7 @@ def make_prompts(model_dir: Path | None, n: int, tokens: int) -> list[str]:
 
 def default_model_dir() -> Path:
     from kvserve.configs import ModelConfig
-    from kvserve.server.engine.model_source import resolve_model
+    from kvserve.server.models.source import resolve_model
 
     return Path(resolve_model(None, ModelConfig().resolved_cache_dir()))
 

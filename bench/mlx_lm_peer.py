@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import sys
 
-from kvserve.server.engine.blas import enable_fast_blas
+from kvserve.server.models.blas import enable_fast_blas
 
 
 def main() -> None:
     info = enable_fast_blas()
     import mlx_lm.server as server
 
-    from kvserve.server.engine.weights import apply_weight_format, choose_weight_format
+    from kvserve.server.models.weights import apply_weight_format, choose_weight_format
 
     stock_load = server.load
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 # Before anything imports mlx: the BLAS must be in place first.
-from kvserve.server.engine.blas import enable_fast_blas
+from kvserve.server.models.blas import enable_fast_blas
 
 _TEXT = (
     "The river town woke slowly. Fishermen checked their nets by lantern light while the "
@@ -227,7 +227,7 @@ def load_ours(path: str, weight_format: str):
     import mlx_lm
 
     from kvserve.server.engine.fastpath import install_table_rope
-    from kvserve.server.engine.weights import apply_weight_format, choose_weight_format
+    from kvserve.server.models.weights import apply_weight_format, choose_weight_format
 
     model, tokenizer = mlx_lm.load(path)
     t = time.perf_counter()
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     default_model = args.model is None
     if default_model:
         from kvserve.configs import ModelConfig
-        from kvserve.server.engine.model_source import resolve_model
+        from kvserve.server.models.source import resolve_model
 
         args.model = str(resolve_model(None, ModelConfig().resolved_cache_dir()))
     model, tokenizer, choice, chose_s, ropes = load_ours(args.model, args.weight_format)

@@ -122,7 +122,7 @@ def _fmt(x) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Before anything imports mlx: its bundled reference BLAS is ~50x slower than OpenBLAS.
-    from kvserve.server.engine.blas import enable_fast_blas
+    from kvserve.server.models.blas import enable_fast_blas
     enable_fast_blas()
     import mlx.core as mx
 

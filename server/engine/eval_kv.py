@@ -53,7 +53,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kvserve.cache import SCHEME_NAMES, PromptCache, UnknownScheme, parse_scheme
-from kvserve.server.engine.blas import enable_fast_blas
+from kvserve.server.models.blas import enable_fast_blas
 
 EVAL_TEXT = "eval-gpl-3.0.txt"
 PROGRESS_EVERY = 32  # decode steps between progress lines
@@ -380,8 +380,8 @@ def load_model(spec: str | None, weight_format: str, cache_dir: str | None,
     """(model, tokenizer, model path, weight choice description), weights converted as serve does."""
     import mlx_lm
     from kvserve.configs import default_cache_dir
-    from kvserve.server.engine.model_source import resolve_model
-    from kvserve.server.engine.weights import apply_weight_format, choose_weight_format
+    from kvserve.server.models.source import resolve_model
+    from kvserve.server.models.weights import apply_weight_format, choose_weight_format
 
     path = resolve_model(spec, Path(cache_dir) if cache_dir else default_cache_dir(), progress)
     model, tokenizer = mlx_lm.load(str(path))
@@ -409,7 +409,7 @@ def _context(args: list[str], opts: argparse.Namespace, path: str, weights: str,
 def main(args: list[str]) -> int:
     """``kvserve eval-kv [options]``: 0 when every scheme ran, 1 when one failed or the model
     could not be loaded, 2 for bad arguments."""
-    from kvserve.server.engine.model_source import ModelLoadError
+    from kvserve.server.models.errors import ModelLoadError
 
     opts = _parser().parse_args(args)
     enable_fast_blas()  # a no-op when the CLI did it already

@@ -1,24 +1,24 @@
-"""Convert a llama-architecture GGUF file into an mlx-lm model directory.
+"""Convert a GGUF file (llama or gemma3 architecture) into an mlx-lm model directory.
 
 The converted directory is what ``mlx_lm.load`` expects::
 
     <dst>/
-      config.json             llama hyper-parameters + "quantization" (group_size, bits)
+      config.json             hyper-parameters + "quantization" (group_size, bits per module)
       model.safetensors       HF tensor names, quantized linears as MLX affine triples
       tokenizer.json          rebuilt from the GGUF vocabulary (see gguf_tokenizer)
       tokenizer_config.json   chat template, bos/eos
       special_tokens_map.json
       kvserve.json            source name, size, mtime, sha256, converter version
 
-The GGUF's own quantized weights are kept: ``mx.load`` turns Q4_0/Q4_1 blocks into
-4-bit and Q8_0 blocks into 8-bit affine-quantized triples with group size 32
-(``X.weight`` uint32, ``X.scales`` and ``X.biases`` fp16), which is exactly the layout
-of ``nn.QuantizedLinear``. Nothing is re-quantized, so the converted model computes
-what the GGUF file describes.
+The GGUF's own quantized weights are kept: every block type whose groups of 32 are affine
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) becomes an MLX affine triple of the same bits
+(``X.weight`` uint32, ``X.scales``, ``X.biases``), which is exactly the layout of
+``nn.QuantizedLinear``; the rest is stored dense (see gguf_tensors). Nothing is
+re-quantized, so the converted model computes what the GGUF file describes. What differs
+between architectures (names, config.json, fix-ups) is in gguf_arch.
 
-The header is parsed here in pure Python (``struct``) before ``mx.load`` sees the
-file, so that a wrong, truncated or unsupported file is reported as a one-line
-``ModelLoadError`` instead of a traceback from the native loader.
+The header is parsed here in pure Python (``struct``) before any tensor is read, so that
+a wrong, truncated or unsupported file is reported as a one-line ``ModelLoadError``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .gguf_tokenizer import write_tokenizer_files
-from .model_source import ModelLoadError
+from kvserve.server.models.errors import ModelLoadError
+from kvserve.server.models.gguf_arch import ARCHS, Arch, hf_module, unpermute_rope_rows
+from kvserve.server.models.gguf_tensors import SUPPORTED_TYPES, mlx_layout, to_affine, to_dense
+from kvserve.server.models.gguf_tokenizer import write_tokenizer_files
 
 # Bumped whenever the output of the converter changes; cached conversions made by
 # another version are redone.
@@ -75,33 +77,10 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 _OTHER_TYPE_NAMES = {16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL",
                      21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M", 34: "TQ1_0",
                      35: "TQ2_0", 39: "MXFP4"}
-# What mx.load reads, and the MLX (bits, group_size) a quantized type becomes.
-SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "F32")
-QUANT_LAYOUT = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32)}
-
 # GGUF metadata value types: id -> struct format (None: variable length).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-
-# GGUF tensor name (without ".weight"/".bias") -> HF llama module name.
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
 
 @dataclass
 class TensorInfo:
@@ -254,111 +233,77 @@ def _check_size(header: GGUFHeader, path: Path) -> None:
 def _unsupported_type(info: TensorInfo) -> ModelLoadError:
     return ModelLoadError(
         f"unsupported tensor type {info.type_name} in {info.name} "
-        f"(supported: {', '.join(SUPPORTED_TYPES)}); use a GGUF quantized as Q4_0, Q4_1 or Q8_0")
+        f"(supported: {', '.join(SUPPORTED_TYPES)})")
+
+
+def arch_of(header: GGUFHeader, path: Path) -> Arch:
+    """The architecture description for ``header``, or a one-line refusal."""
+    if header.arch not in ARCHS:
+        found = header.arch or "none"
+        raise ModelLoadError(
+            f"unsupported architecture {found!r} (supported: {', '.join(ARCHS)}): {path}")
+    return ARCHS[header.arch]
 
 
 def check_supported(header: GGUFHeader, path: Path) -> None:
-    """Refuse what the converter cannot turn into a working mlx-lm llama model."""
-    if header.arch != "llama":
-        found = header.arch or "none"
-        raise ModelLoadError(f"unsupported architecture {found!r} (supported: llama): {path}")
+    """Refuse what the converter cannot turn into a working mlx-lm model."""
+    arch = arch_of(header, path)
     for info in header.tensors:
         if info.type_name not in SUPPORTED_TYPES:
             raise _unsupported_type(info)
         if info.name == "rope_freqs.weight":
-            raise ModelLoadError(f"unsupported RoPE frequency table (llama3-style rope scaling): {path}")
-        _hf_module(_split_name(info.name)[0])  # every tensor must have a place in the model
-    _check_required(header, path)
-    rope_type = header.get("rope.scaling.type", "none")
-    if rope_type not in ("none", "linear"):
-        raise ModelLoadError(f"unsupported RoPE scaling {rope_type!r} (supported: none, linear): {path}")
+            continue  # refused below with its reason
+        if hf_module(arch, _split_name(info.name)[0]) is None:
+            raise ModelLoadError(f"unexpected tensor {info.name!r} in a {arch.name} GGUF file")
+    _check_required(header, arch, path)
+    if reason := arch.refuse(header):
+        raise ModelLoadError(f"{reason}: {path}")
 
 
-def _check_required(header: GGUFHeader, path: Path) -> None:
+def _check_required(header: GGUFHeader, arch: Arch, path: Path) -> None:
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
         if header.get(key) is None:
             raise ModelLoadError(f"GGUF metadata lacks {header.arch}.{key}: {path}")
     names = {t.name for t in header.tensors}
     required = ["token_embd.weight", "output_norm.weight"] + [
-        f"blk.{i}.{part}.weight" for i in range(int(header.get("block_count"))) for part in _LAYER_NAMES]
+        f"blk.{i}.{part}.weight" for i in range(int(header.get("block_count"))) for part in arch.layer_names]
     missing = [name for name in required if name not in names]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelLoadError(f"GGUF file lacks tensor {missing[0]}{more}: {path}")
 
 
-def _hf_module(gguf_base: str) -> str:
-    """``blk.3.attn_q`` -> ``model.layers.3.self_attn.q_proj``; ``output`` -> ``lm_head``."""
-    if gguf_base in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_base]
-    parts = gguf_base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise ModelLoadError(f"unexpected tensor {gguf_base!r} in a llama GGUF file")
-
-
 def _split_name(name: str) -> tuple[str, str]:
     """``blk.0.attn_q.weight`` -> (``blk.0.attn_q``, ``weight``)."""
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
-        raise ModelLoadError(f"unexpected tensor {name!r} in a llama GGUF file")
+        raise ModelLoadError(f"unexpected tensor {name!r} in a GGUF file")
     return base, suffix
 
 
-def unpermute_rope_rows(x, n_heads: int):
-    """Undo llama.cpp's row permutation of ``attn_q``/``attn_k`` (applied to every
-    tensor of the module: weight, scales, biases, bias; rows are output features).
-
-    llama.cpp stores each head's rotary pairs interleaved, HF keeps the two halves
-    apart. For one head with head_dim 4 the GGUF rows are ``[r0, r2, r1, r3]`` and
-    HF rows are ``[r0, r1, r2, r3]``: reshape the rows as (heads, half, 2), swap the
-    last two axes and flatten back.
-    """
-    rows = x.shape[0]
-    return x.reshape(n_heads, rows // n_heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-
 def build_config(header: GGUFHeader, quantization: dict | None) -> dict:
-    """config.json for mlx-lm's llama model, every value taken from the metadata."""
-    by_name = {t.name: t for t in header.tensors}
-    hidden = int(header.get("embedding_length"))
-    heads = int(header.get("attention.head_count"))
-    embed = by_name["token_embd.weight"]
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": int(header.get("block_count")),
-        "intermediate_size": int(header.get("feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(header.get("attention.head_count_kv", heads)),
-        "head_dim": int(header.get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(header.get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(header.get("rope.freq_base", 10000.0)),
-        "rope_traditional": False,
-        "vocab_size": embed.shape[0],
-        "max_position_embeddings": int(header.get("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in by_name,
-        "attention_bias": "blk.0.attn_q.bias" in by_name,
-        "mlp_bias": "blk.0.ffn_up.bias" in by_name,
-    }
-    if header.get("rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": float(header.get("rope.scaling.factor", 1.0))}
-    config.update(_special_ids(header.metadata))
+    """config.json for the mlx-lm model of the file's architecture, every value taken
+    from the metadata (or, where the file is silent, from what llama.cpp assumes)."""
+    arch = ARCHS[header.arch]
+    config = arch.build_config(header)
+    config.update(_special_ids(header.metadata, arch))
     if quantization:
         config["quantization"] = quantization
         config["quantization_config"] = quantization
     return config
 
 
-def _special_ids(meta: dict) -> dict:
+def _special_ids(meta: dict, arch: Arch) -> dict:
     """bos/eos ids for config.json. A separate end-of-turn token (llama-3's
-    ``<|eot_id|>``) is listed as a second eos so that chat replies stop on it."""
+    ``<|eot_id|>``, Gemma's ``<end_of_turn>``) is listed as a further eos so that chat
+    replies stop on it."""
     out = {}
     if (bos := meta.get("tokenizer.ggml.bos_token_id")) is not None:
         out["bos_token_id"] = int(bos)
     stops = [int(meta[f"tokenizer.ggml.{key}"]) for key in ("eos_token_id", "eot_token_id")
              if meta.get(f"tokenizer.ggml.{key}") is not None]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    stops += [tokens.index(text) for text in arch.extra_stops if text in tokens]
     stops = list(dict.fromkeys(stops))
     if stops:
         out["eos_token_id"] = stops[0] if len(stops) == 1 else stops
@@ -391,11 +336,12 @@ def quantization_entry(header: GGUFHeader) -> dict | None:
          "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"},
          "model.layers.0.self_attn.q_proj": false}
     """
+    arch = ARCHS[header.arch]
     layouts: dict[str, tuple[int, int] | None] = {}
     for info in header.tensors:
         base, suffix = _split_name(info.name)
         if suffix == "weight" and len(info.shape) == 2:
-            layouts[_hf_module(base)] = QUANT_LAYOUT.get(info.type_name)
+            layouts[hf_module(arch, base)] = mlx_layout(info.type_name)
     counts: dict[tuple[int, int], int] = {}
     for layout in filter(None, layouts.values()):
         counts[layout] = counts.get(layout, 0) + 1
@@ -411,35 +357,50 @@ def quantization_entry(header: GGUFHeader) -> dict | None:
     return entry
 
 
-def _load_tensors(path: Path) -> dict:
+def _raw(buf, header: GGUFHeader, info: TensorInfo):
+    """The bytes of one tensor as a (rows, bytes per row) uint8 view of the mapped file."""
+    import numpy as np
+
+    start = header.data_offset + info.offset
+    rows = 1
+    for dim in info.shape[:-1]:
+        rows *= dim
+    return np.frombuffer(buf, np.uint8, info.nbytes(), start).reshape(rows, -1)
+
+
+def _arrays(buf, header: GGUFHeader, info: TensorInfo, arch: Arch) -> dict:
+    """``{"weight": ..., ["scales": ..., "biases": ...]}`` (numpy) of one tensor, with the
+    architecture's norm shift applied."""
+    import numpy as np
+
+    raw, suffix = _raw(buf, header, info), _split_name(info.name)[1]
+    if mlx_layout(info.type_name) and len(info.shape) == 2:
+        parts = to_affine(raw, info.type_name, arch.half_scales)
+        return {suffix: parts.pop("weight"), **parts}
+    value = to_dense(raw, info.type_name, info.shape)
+    if arch.norm_shift and info.name.endswith("norm.weight"):
+        value = value.astype(np.float32) - np.float32(arch.norm_shift)
+    elif not arch.half_scales and value.dtype == np.float16:
+        value = value.astype(np.float32)  # a float16 norm would bring float16 activations
+    return {suffix: value}
+
+
+def convert_weights(header: GGUFHeader, buf, progress: Callable[[int, int], None]) -> dict:
+    """Every tensor of the file (``buf``: its mapped bytes) as MLX arrays under HF names,
+    q/k rows un-permuted where the architecture needs it."""
     import mlx.core as mx
 
-    try:
-        return mx.load(str(path))
-    except Exception as exc:  # the native loader's errors are multi-line and technical
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"could not read the tensors of {path.name}: {first}") from exc
-
-
-def convert_weights(header: GGUFHeader, tensors: dict, progress: Callable[[int, int], None]) -> dict:
-    """Rename mx.load's GGUF tensors to HF llama names and undo the q/k permutation.
-
-    mx.load names a quantized ``blk.0.attn_q.weight`` as ``blk.0.attn_q.weight``,
-    ``blk.0.attn_q.scales`` and ``blk.0.attn_q.biases``; a tensor name without the
-    ``.weight`` suffix keeps its bare name for the packed values.
-    """
+    arch = ARCHS[header.arch]
     heads = {"attn_q": int(header.get("attention.head_count")),
              "attn_k": int(header.get("attention.head_count_kv", header.get("attention.head_count")))}
     layers = int(header.get("block_count"))
     out, done = {}, 0
     for info in header.tensors:
-        base, suffix = _split_name(info.name)
-        module = _hf_module(base)
-        parts = {suffix: tensors[info.name]}
-        if info.type_name in QUANT_LAYOUT:
-            parts.update(scales=tensors[f"{base}.scales"], biases=tensors[f"{base}.biases"])
-        n_heads = heads.get(base.rsplit(".", 1)[-1])
-        for key, value in parts.items():
+        base = _split_name(info.name)[0]
+        module = hf_module(arch, base)
+        n_heads = heads.get(base.rsplit(".", 1)[-1]) if arch.permute_qk else None
+        for key, value in _arrays(buf, header, info, arch).items():
+            value = mx.array(value)
             out[f"{module}.{key}"] = unpermute_rope_rows(value, n_heads) if n_heads else value
         if base.endswith(".ffn_down"):  # one per layer; files need not be in layer order
             done += 1
@@ -510,7 +471,9 @@ def _write_model(header: GGUFHeader, src: Path, out: Path, say: Callable[[str], 
     # The tokenizer first: an unsupported vocabulary fails before the slow part.
     write_tokenizer_files(header.metadata, out)
     say(f"converting {src.name}: reading tensors")
-    weights = convert_weights(header, _load_tensors(src), _layer_reporter(say, src.name))
+    with open(src, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        weights = convert_weights(header, buf, _layer_reporter(say, src.name))
+        mx.eval(weights)  # every array copied out of the mapping before it closes
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     record = source_record(src, sha256)

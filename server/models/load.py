@@ -1,0 +1,111 @@
+"""Load a model: resolve the source, load it with mlx-lm, pick and apply the weight format.
+
+What the engine builds around the model (its runner, the KV caches, the prefix cache) is
+not done here; ``kvserve.server.engine.model_loader`` does that with what this returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from kvserve.configs import ModelConfig
+from kvserve.server.models.registry import shipped_model
+from kvserve.server.models.source import ModelLoadError, resolve_model
+
+log = logging.getLogger("kvserve.models")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the served model that clients and logs see (``/v1/models``)."""
+
+    model_id: str
+    source: str
+    context_length: int
+    weight_format: str
+    blas: str
+    kv_scheme: str
+    vocab_size: int = 0  # rows of the embedding: token ids (prompt, logit_bias) stay below
+
+    def describe(self) -> str:
+        return (f"{self.model_id}: context {self.context_length}, {self.weight_format}, "
+                f"{self.blas}, KV scheme {self.kv_scheme}")
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """A loaded model in its chosen weight format, its tokenizer, its config.json as a
+    dict, and the facts about it (``info``)."""
+
+    model: Any  # mlx-lm nn.Module
+    tokenizer: Any  # mlx-lm TokenizerWrapper
+    config: dict
+    info: ModelInfo
+
+
+def load_bundle(config: ModelConfig, *, kv_scheme: str = "", blas: str = "",
+                progress: Callable[[str], None] | None = None,
+                check: Callable[[Any], None] | None = None) -> ModelBundle:
+    """Resolve ``config.model``, load it with mlx-lm and convert its weights to the format
+    measured fastest (or the one ``config.weight_format`` names).
+
+    ``check(model)`` runs after loading and before the weight formats are timed, so a
+    model the caller cannot use is refused before that cost. ``kv_scheme`` and ``blas``
+    are only recorded in ``info``.
+
+    Example::
+
+        bundle = load_bundle(ModelConfig(model="gemma3-270m", weight_format="as-loaded"))
+        bundle.info.model_id, bundle.info.context_length  # ('gemma3-270m', 32768)
+    """
+    import mlx_lm
+
+    from kvserve.server.models.weights import apply_weight_format, choose_weight_format
+
+    source = resolve_model(config.model, config.resolved_cache_dir(), progress)
+    try:
+        model, tokenizer, model_config = mlx_lm.load(str(source), return_config=True)
+    except Exception as exc:  # mlx-lm raises many types; the user needs one line
+        raise ModelLoadError(f"cannot load model {source}: {type(exc).__name__}: {exc}") from None
+    if check is not None:
+        check(model)
+    choice = choose_weight_format(model, config.weight_format)
+    apply_weight_format(model, choice)
+    info = ModelInfo(
+        model_id=model_id_for(config.model, source),
+        source=str(source),
+        context_length=int(model_config.get("max_position_embeddings") or 4096),
+        weight_format=choice.describe(),
+        blas=blas,
+        kv_scheme=kv_scheme,
+        vocab_size=_vocab_size(model_config, tokenizer),
+    )
+    log.info("model ready: %s", info.describe())
+    return ModelBundle(model=model, tokenizer=tokenizer, config=model_config, info=info)
+
+
+def _vocab_size(model_config: dict, tokenizer) -> int:
+    """Ids the model embeds and the tokenizer names: the smaller of the two counts."""
+    embedded = model_config.get("vocab_size") or model_config.get("text_config", {}).get("vocab_size")
+    return min(int(embedded), len(tokenizer)) if embedded else len(tokenizer)
+
+
+def model_id_for(spec: str | None, source: Path | str) -> str:
+    """The name clients use in ``model``: a shipped model's name, a repo id, or a folder name.
+
+    >>> model_id_for(None, Path("/c/models/SmolLM2-135M-Instruct.Q4_1-1a2b3c"))
+    'SmolLM2-135M-Instruct'
+    >>> model_id_for("gemma3-270m", Path("/c/models/gemma-3-270m-q4_k_m-a5fd3b62230a"))
+    'gemma3-270m'
+    >>> model_id_for("mlx-community/Qwen3-0.6B-4bit", "mlx-community/Qwen3-0.6B-4bit")
+    'mlx-community/Qwen3-0.6B-4bit'
+    """
+    path = Path(spec) if spec else None
+    if path is not None and path.exists():  # a local path wins, as in resolve_model
+        return path.stem if path.is_file() else path.name
+    shipped = shipped_model(spec)
+    return shipped.model_id if shipped is not None else spec
+
