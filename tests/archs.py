@@ -173,6 +173,25 @@ ARCHS: dict[str, dict] = {
     },
 }
 
+# Architectures the engine refuses at start-up (no kvserve cache for a layer kind they use):
+# Llama 4's chunked attention (``ChunkedKVCache``: attention restarts every chunk).
+UNSERVABLE: dict[str, dict] = {
+    "llama4": {
+        "model_type": "llama4",
+        "text_config": {
+            **_BASE, **_ATTN, "model_type": "llama4_text", "hidden_size": 64,
+            "num_hidden_layers": 4, "intermediate_size": 64, "intermediate_size_mlp": 128,
+            "attention_bias": False, "attention_chunk_size": 32, "interleave_moe_layer_step": 2,
+            "num_local_experts": 2, "num_experts_per_tok": 1, "rms_norm_eps": 1e-5,
+            "rope_scaling": None, "rope_theta": 500000.0, "use_qk_norm": True,
+        },
+    },
+}
+
+
+def config_of(arch: str) -> dict:
+    return ARCHS[arch] if arch in ARCHS else UNSERVABLE[arch]
+
 
 # Query/key gain per architecture. At mlx-lm's initialisation these models attend almost
 # uniformly, so a continuation depends on the context's average only and greedy decoding
@@ -195,9 +214,9 @@ def build_model(arch: str, seed: int = 0):
     """The model of ``ARCHS[arch]`` with mlx-lm's random initialisation under ``seed``."""
     import mlx.core as mx
 
-    model_class, args_class = model_classes(ARCHS[arch])
+    model_class, args_class = model_classes(config_of(arch))
     mx.random.seed(seed)
-    model = model_class(args_class.from_dict(json.loads(json.dumps(ARCHS[arch]))))
+    model = model_class(args_class.from_dict(json.loads(json.dumps(config_of(arch)))))
     _randomize_zero_inits(model, seed)
     _scale_queries_and_keys(model, ATTENTION_GAIN.get(arch, 1.0))
     mx.eval(model.parameters())
@@ -235,7 +254,7 @@ def make_tiny_model(arch: str, dst: Path, tokenizer_dir: Path, seed: int = 0) ->
     _check_sanitize_keeps(model, weights)
     dst.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dst / "model.safetensors"), weights)
-    (dst / "config.json").write_text(json.dumps(ARCHS[arch], indent=1))
+    (dst / "config.json").write_text(json.dumps(config_of(arch), indent=1))
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, dst / name)

@@ -306,3 +306,19 @@ def test_prefix_cache_serves_the_next_turn_across_a_restart(served, default_mode
     assert tokens_of(restarted) == tokens_of(again), divergence(again, restarted)
     if served.scheme == "fp16":
         assert tokens_of(restarted) == tokens_of(turn2), divergence(turn2, restarted)
+
+
+def test_an_architecture_without_a_cache_is_refused_at_start_up(models, tmp_path):
+    """Llama 4's chunked attention has no kvserve cache: ``kvserve serve`` exits before it
+    listens, with one line naming the layer and mlx-lm's cache class (not a 500 per request)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", str(models("llama4")),
+         "--cache-dir", str(tmp_path), "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("kvserve: error:")]
+    assert lines == [f"kvserve: error: {models('llama4').name} cannot be served: layer 0: "
+                     "mlx-lm's ChunkedKVCache (no kvserve cache for this layer kind)"], result.stderr

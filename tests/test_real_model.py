@@ -80,7 +80,7 @@ def test_scheme_that_does_not_fit_the_head_size(tmp_path, tiny_model_dir):
     """The tiny model's head_dim is 16: groups of 64 cannot fit, and start-up says so."""
     result = _kvserve("serve", "--model", str(tiny_model_dir), "--kv-scheme", "affine4",
                       "--cache-dir", str(tmp_path), "--port", "0")
-    _assert_one_line_error(result, "KV scheme affine4 does not fit this model: head_dim 16")
+    _assert_one_line_error(result, f"KV scheme affine4 does not fit {tiny_model_dir.name}: head_dim 16")
 
 
 def test_bad_config_value(tmp_path):

@@ -15,7 +15,7 @@ from kvserve.cache.scheme import KVScheme
 from kvserve.configs import CacheConfig, ModelConfig
 from kvserve.server.engine.loop import LoadedModel
 from kvserve.server.models.errors import ModelLoadError
-from kvserve.server.models.load import load_bundle
+from kvserve.server.models.load import load_bundle, model_id_for
 
 log = logging.getLogger("kvserve.engine")
 
@@ -38,18 +38,20 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     from kvserve.server.engine.runner import ModelRunner
 
     bundle = load_bundle(config, kv_scheme=scheme.name, blas=blas, progress=progress,
-                         check=lambda model: _check_scheme_fits(model, scheme))
+                         check=lambda model: _check_servable(model, scheme, model_id_for(config.model, config.model)))
     install_table_rope(bundle.model)
     swap_dir = config.resolved_cache_dir() / "swap"  # on disk: /tmp may be RAM-backed
     swap_dir.mkdir(parents=True, exist_ok=True)
     prefix = None
     if cache is not None and cache.prefix_enabled:
-        prefix = open_prefix_cache(cache, config, bundle.info.source, bundle.tokenizer, scheme)
+        prefix = open_prefix_cache(cache, config, bundle.info.source, bundle.tokenizer, scheme,
+                                   _layout(bundle.model, scheme))
     runner = ModelRunner(bundle.model, scheme, swap_dir, prefix)
     return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info)
 
 
-def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer, scheme: KVScheme):
+def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer, scheme: KVScheme,
+                      layout: str = ""):
     """The prefix cache of this model, tokenizer and scheme, its files in one directory per
     namespace. The weight format measured at start-up is no part of the namespace: every
     format computes with the same weight values (dense f32 is the exact dequantization of the
@@ -59,7 +61,7 @@ def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer
     from kvserve.cache.prefix import Namespace, PrefixCache, model_fingerprint, tokenizer_hash
 
     ns = Namespace(model=model_fingerprint(source), tokenizer=tokenizer_hash(tokenizer),
-                   scheme=scheme)
+                   scheme=scheme, layout=layout)
     disk_dir = None
     if cache.prompt_cache_disk_gb > 0:
         disk_dir = Path(cache.prompt_cache_dir).expanduser() if cache.prompt_cache_dir \
@@ -73,18 +75,20 @@ def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer
     return prefix
 
 
-def _check_scheme_fits(model, scheme: KVScheme) -> None:
-    """One token through a fresh cache of ``scheme``: a scheme the model's head size cannot
-    take (a group larger than head_dim) fails here, at start-up, not on every request."""
-    import mlx.core as mx
-
-    from kvserve.cache import PromptCache
+def _check_servable(model, scheme: KVScheme, name: str) -> None:
+    """The start-up probe (``servable.py``): a model the engine cannot serve, or a scheme its
+    head size cannot take, is refused here in one line, not by a 500 on every request."""
+    from kvserve.server.engine.servable import NotServable, check_servable
 
     try:
-        cache = PromptCache.for_model(model, scheme)
-        model(mx.array([[0]]), cache=cache)
-        cache.maybe_convert()
-        model(mx.array([[0]]), cache=cache)  # a decode step: TurboQuant compresses here
-        mx.eval(cache.state)
-    except ValueError as exc:
-        raise ModelLoadError(f"KV scheme {scheme.name} does not fit this model: {exc}") from None
+        check_servable(model, scheme, name)
+    except NotServable as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def _layout(model, scheme: KVScheme) -> str:
+    """The layer kinds a request's cache holds (``kv,window512*5,...``): prefix files of
+    another layout are refused with that reason."""
+    from kvserve.cache import PromptCache
+
+    return PromptCache.for_model(model, scheme).layout()
