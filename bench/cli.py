@@ -40,6 +40,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--baseline", help="label of the target the ratios refer to (default: the last)")
     p.add_argument("--overhead", action="store_true", help="measure kvserve's overhead over the model step")
+    p.add_argument("--completions", action="store_true",
+                   help="raw prompts through /v1/completions (chosen by itself for a model "
+                        "directory without a chat template: a base model)")
     p.add_argument("--out", help="write OUT.md and OUT.png")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p.parse_args(argv)
@@ -60,6 +63,13 @@ def make_prompts(model_dir: Path | None, n: int, tokens: int) -> list[str]:
             for i in range(n)]
 
 
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the model's tokenizer formats chats (a base model's has no template)."""
+    config = Path(model_dir) / "tokenizer_config.json"
+    return (Path(model_dir) / "chat_template.jinja").is_file() or (
+        config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))
+
+
 def default_model_dir() -> Path:
     from kvserve.configs import ModelConfig
     from kvserve.server.models.source import resolve_model
@@ -72,8 +82,9 @@ def bench_target(target: Target, model_dir: Path, args, prompts: list[str]) -> d
     running = Running(target, model_dir)
     try:
         # Warm-up with a prompt outside the measured set: no server may answer from it later.
-        run_load(running.base_url, chat_bodies(running.model_name, ["Say hello."], 8), 1)
-        result = run_load(running.base_url, chat_bodies(running.model_name, prompts, args.max_tokens),
+        run_load(running.base_url, chat_bodies(running.model_name, ["Say hello."], 8, args.chat), 1)
+        result = run_load(running.base_url,
+                          chat_bodies(running.model_name, prompts, args.max_tokens, args.chat),
                           args.concurrency)
         row = {"label": target.label, **result.summary()}
         if args.overhead and target.kind == "kvserve":
@@ -87,7 +98,7 @@ def bench_target(target: Target, model_dir: Path, args, prompts: list[str]) -> d
 
 def steady_itl(running: Running, prompts: list[str], args) -> dict:
     """All streams start together with equal prompts lengths: median gap between tokens."""
-    bodies = chat_bodies(running.model_name, prompts[: args.concurrency], 2 * args.max_tokens)
+    bodies = chat_bodies(running.model_name, prompts[: args.concurrency], 2 * args.max_tokens, args.chat)
     result = run_load(running.base_url, bodies, args.concurrency)
     return {"itl_p50": result.summary()["itl_p50"]}
 
@@ -123,7 +134,8 @@ def render(rows: list[dict], args, model: str, argv: list[str], chart: str | Non
              f"- date: {datetime.date.today().isoformat()}", f"- machine: {machine()}",
              f"- mlx {version('mlx')}, mlx-lm {version('mlx-lm')}", f"- model: `{model}`",
              f"- prompts of about {args.prompt_tokens} tokens (all different), up to "
-             f"{args.max_tokens} output tokens, greedy, streamed",
+             f"{args.max_tokens} output tokens, greedy, streamed, through "
+             f"`{'/v1/chat/completions' if args.chat else '/v1/completions'}`",
              f"- command: `kvserve bench {shlex.join(argv)}`", "",
              markdown_table(rows, baseline), "",
              f"Ratios are output tokens/s against `{baseline}`. TTFT is from sending the request "
@@ -149,8 +161,9 @@ def main(argv: list[str]) -> int:
     if args.url:
         prompts = make_prompts(Path(args.model) if args.model and Path(args.model).is_dir() else None,
                                args.requests, args.prompt_tokens)
-        result = run_load(args.url, chat_bodies(args.model or "default", prompts, args.max_tokens),
-                          args.concurrency)
+        args.chat = not args.completions
+        result = run_load(args.url, chat_bodies(args.model or "default", prompts, args.max_tokens,
+                                                args.chat), args.concurrency)
         rows = [{"label": args.url, **result.summary()}]
         model = args.model or "default"
     else:
@@ -159,6 +172,7 @@ def main(argv: list[str]) -> int:
             return 2
         targets = [Target.parse(t) for t in args.target]
         model_dir = Path(args.model) if args.model else default_model_dir()
+        args.chat = not args.completions and has_chat_template(model_dir)
         prompts = make_prompts(model_dir, args.requests, args.prompt_tokens)
         rows = [bench_target(t, model_dir, args, prompts) for t in targets]
         if args.overhead:

@@ -128,12 +128,12 @@ async def _drive(base_url: str, bodies: list[dict], concurrency: int, timeout: f
     for body in bodies:
         queue.put_nowait(body)
     results: list[RequestStats] = []
-    url = base_url.rstrip("/") + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         async def worker() -> None:
             while not queue.empty():
-                results.append(await _one(client, url, queue.get_nowait()))
+                body = queue.get_nowait()
+                results.append(await _one(client, base_url.rstrip("/") + _path(body), body))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -141,11 +141,23 @@ async def _drive(base_url: str, bodies: list[dict], concurrency: int, timeout: f
     return LoadResult(results, wall)
 
 
-def chat_bodies(model: str, prompts: list[str], max_tokens: int) -> list[dict]:
-    """Streaming greedy chat requests that ask for usage in the last chunk."""
-    return [{"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
-             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-            for p in prompts]
+def chat_bodies(model: str, prompts: list[str], max_tokens: int, chat: bool = True) -> list[dict]:
+    """Streaming greedy requests that ask for usage in the last chunk: chat messages, or
+    with ``chat`` False raw prompts for ``/v1/completions`` (a base model has no chat
+    template).
+
+    >>> [sorted(b) for b in chat_bodies("m", ["hi"], 4) + chat_bodies("m", ["hi"], 4, chat=False)]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [['max_tokens', 'messages', 'model', 'stream', 'stream_options', 'temperature'],
+     ['max_tokens', 'model', 'prompt', 'stream', 'stream_options', 'temperature']]
+    """
+    text = (lambda p: {"messages": [{"role": "user", "content": p}]}) if chat else (lambda p: {"prompt": p})
+    return [{"model": model, **text(p), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+             "stream_options": {"include_usage": True}} for p in prompts]
+
+
+def _path(body: dict) -> str:
+    return "/v1/chat/completions" if "messages" in body else "/v1/completions"
 
 
 def run_load(base_url: str, bodies: list[dict], concurrency: int, timeout: float = 600.0) -> LoadResult:
