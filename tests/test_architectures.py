@@ -161,9 +161,11 @@ def launcher(request, models, tmp_path_factory):
     """Cases in the order pytest runs them (parametrized session and module fixtures are
     grouped: every scheme of one architecture, then the next architecture)."""
     order: list[tuple[str, str]] = []
-    for item in request.session.items:
+    for item in request.session.items:  # the whole run: other modules have a `scheme` too
         params = getattr(item, "callspec", None) and item.callspec.params
-        if params and "scheme" in params and (params["arch"], params["scheme"]) not in order:
+        if not params or "scheme" not in params or item.module.__name__ != __name__:
+            continue
+        if (params["arch"], params["scheme"]) not in order:
             order.append((params["arch"], params["scheme"]))
     launcher = Launcher(order, models, tmp_path_factory.mktemp("servers"))
     yield launcher
