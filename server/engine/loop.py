@@ -39,6 +39,7 @@ class LoadedModel:
     runner: Any  # ModelRunner; typed loosely so this module never imports mlx
     tokenizer: Any  # mlx-lm TokenizerWrapper
     info: Any  # ModelInfo
+    grammars: Any = None  # Grammars: structured output for this tokenizer
 
 
 @dataclass

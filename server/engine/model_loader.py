@@ -35,6 +35,7 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                progress: Callable[[str], None] | None = None,
                cache: CacheConfig | None = None) -> LoadedModel:
     from kvserve.server.engine.fastpath import install_table_rope
+    from kvserve.server.engine.grammar import Grammars
     from kvserve.server.engine.runner import ModelRunner
 
     bundle = load_bundle(config, kv_scheme=scheme.name, blas=blas, progress=progress,
@@ -46,8 +47,9 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     if cache is not None and cache.prefix_enabled:
         prefix = open_prefix_cache(cache, config, bundle.info.source, bundle.tokenizer, scheme,
                                    _layout(bundle.model, scheme))
-    runner = ModelRunner(bundle.model, scheme, swap_dir, prefix)
-    return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info)
+    grammars = Grammars(bundle.tokenizer, bundle.info.vocab_size)
+    runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars)
+    return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars)
 
 
 def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer, scheme: KVScheme,

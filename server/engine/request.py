@@ -11,6 +11,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from kvserve.server.engine.grammar import Grammar
+
 _ids = itertools.count()
 
 
@@ -40,7 +42,7 @@ class SamplingParams:
     ``frequency_penalty`` per time it was generated; ``logit_bias`` adds to chosen logits.
     ``logprobs`` asks for the log-probability of each sampled token and ``top_logprobs``
     for that many alternatives, both from the model's own distribution (before penalties,
-    filters and temperature).
+    filters and temperature). ``grammar`` constrains the output (``grammar.py``).
 
     Example:
         >>> p = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((5, -100.0),))
@@ -60,6 +62,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
@@ -78,7 +81,13 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits: such rows of a batch are sampled together."""
-        return self.greedy and not self.adjusts_logits
+        return self.greedy and not self.adjusts_logits and self.grammar is None
+
+    @property
+    def needs_last_token(self) -> bool:
+        """Sampling depends on the previous token, known on the host only once it is read
+        (penalties count it, a grammar consumes it): no decode step is queued ahead."""
+        return self.penalized or self.grammar is not None
 
 
 @dataclass

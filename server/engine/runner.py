@@ -20,8 +20,8 @@ mlx-lm's ``generate`` does. When the next plan decodes those rows, the queued st
 decode (rows that finished meanwhile are dropped from it); when it decodes others (a
 preemption or a resumed request), the step is undone: one slot trimmed from every row and
 the samplers' keys given back, so the tokens are those of a run that never went ahead.
-Rows with presence or frequency penalties need the last token counted on the host before
-they sample, so a batch holding one does not go ahead.
+Rows with presence or frequency penalties, or a grammar, need the last token on the host
+before they sample (counted, or fed to the grammar), so a batch holding one does not go ahead.
 
 The choices of an ``n > 1`` request (its forks) get copies of their leader's cache when its
 prompt completes, and their first tokens are sampled from the same logits. A preempted
@@ -45,6 +45,7 @@ import mlx.core as mx
 
 from kvserve.cache import KVScheme, PromptCache, load_layers, save_layers
 from kvserve.server.engine.fastpath import last_logits
+from kvserve.server.engine.grammar import Grammars
 from kvserve.server.engine.heap import heap_stats
 from kvserve.server.engine.request import Request
 from kvserve.server.engine.sampler import Draw, Pick, RequestSampler, draw_rows, sample_rows
@@ -103,9 +104,11 @@ class DecodeStep:
 class ModelRunner:
     """Holds the model, the caches and samplers of live requests; runs on the engine thread."""
 
-    def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None, prefix=None):
+    def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None, prefix=None,
+                 grammars: Grammars | None = None):
         self.model = model
         self.scheme = scheme
+        self.grammars = grammars  # compiles the grammars of constrained requests
         self.prefix = prefix  # kvserve.cache.prefix.PrefixCache or None
         self._hits: dict[str, int] = {}  # prefix tokens found, not yet reported to the scheduler
         self._tokens: dict[str, list[int]] = {}  # prompt + sampled tokens of each live request
@@ -221,7 +224,7 @@ class ModelRunner:
             request = chunk.request
             if request.num_computed or request.request_id in self._samplers:
                 continue
-            self._samplers[request.request_id] = RequestSampler(request.params)
+            self._samplers[request.request_id] = RequestSampler(request.params, self.grammars)
             self._tokens[request.request_id] = list(request.prompt_tokens)
             hit = self.prefix.lookup(request.prompt_tokens) if self.prefix is not None else None
             if hit is not None:
@@ -265,7 +268,7 @@ class ModelRunner:
         forks = [f for f in request.forks if not f.finished]  # an aborted choice stays out
         group = [request, *forks]
         for fork in forks:  # one object: the join's merge copies it into each row
-            self._samplers[fork.request_id] = RequestSampler(fork.params)
+            self._samplers[fork.request_id] = RequestSampler(fork.params, self.grammars)
             self._single[fork.request_id] = cache
         ids = [r.request_id for r in group]
         picks = sample_rows([self._samplers[r] for r in ids],
@@ -341,9 +344,9 @@ class ModelRunner:
     def _queue_ahead(self, step: DecodeStep | None, ending: set[str]) -> DecodeStep | None:
         """Queue the next decode of every batch row, fed this step's tokens as arrays (rows
         that joined after it: their first token). None when every row ends here, or when
-        a row's penalties need its last token counted first."""
+        a row's penalties or grammar need its last token first."""
         rows = self._rows
-        if not rows or ending.issuperset(rows) or any(self._samplers[r].params.penalized for r in rows):
+        if not rows or ending.issuperset(rows) or any(self._samplers[r].params.needs_last_token for r in rows):
             return None
         decoded = step.rows if step is not None else []
         assert rows[: len(decoded)] == decoded, "rows join the batch at its end"

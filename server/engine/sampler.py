@@ -25,8 +25,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from kvserve.server.engine.grammar import Grammars, RowGrammar
 from kvserve.server.engine.request import SamplingParams, TokenLogprob
 
 
@@ -39,19 +41,29 @@ class Pick:
 
 
 class RequestSampler:
-    """Sampling state of one request: its parameters, PRNG key and generated-token counts."""
+    """Sampling state of one request: its parameters, PRNG key, generated-token counts and,
+    for a request with a grammar, its matcher (``grammars`` compiles it)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, grammars: Grammars | None = None):
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed)
         self._bias = dict(params.logit_bias)
         self._counts: Counter[int] = Counter()
+        self.grammar: RowGrammar | None = None
+        if params.grammar is not None:
+            if grammars is None:
+                raise ValueError("a request with a grammar needs the model's Grammars")
+            self.grammar = grammars.matcher(params.grammar)
+            self.grammars = grammars
 
     def observe(self, token: int) -> None:
-        """Count a generated token (the penalties look at these counts)."""
+        """Count a generated token (the penalties look at these counts) and feed it to the
+        grammar."""
         if self.params.penalized:
             self._counts[token] += 1
+        if self.grammar is not None:
+            self.grammar.consume(token)
 
     def adjust(self, logits: mx.array) -> mx.array:
         """``logits`` (1, V) plus the bias minus the penalties, as one sparse add."""
@@ -123,11 +135,13 @@ def draw_rows(samplers: list[RequestSampler], logits: mx.array) -> Draw:
     """Sample row ``b`` of ``logits`` (B, V) with ``samplers[b]``, as arrays (nothing runs).
 
     Plain greedy rows share one argmax over the whole batch; the others sample alone. A
-    penalized row must have observed every earlier token first (its counts live here).
+    penalized or constrained row must have observed every earlier token first (its counts
+    and its grammar's state live here).
     """
     keys = tuple(s._key for s in samplers)
     greedy = mx.argmax(logits, axis=-1)  # (B,)
-    own = {b: s.sample(logits[b : b + 1]) for b, s in enumerate(samplers)
+    masked = _grammar_masked(samplers, logits)
+    own = {b: s.sample(masked.get(b, logits[b : b + 1])) for b, s in enumerate(samplers)
            if not s.params.plain_greedy}
     tokens = mx.concatenate([own[b] if b in own else greedy[b : b + 1]
                              for b in range(len(samplers))]) if samplers else greedy
@@ -135,6 +149,22 @@ def draw_rows(samplers: list[RequestSampler], logits: mx.array) -> Draw:
     scored = {b: _logprob_arrays(logits[b], tokens[b], samplers[b].params.top_logprobs)
               for b in wanted}
     return Draw(tuple(samplers), keys, tokens, scored)
+
+
+def _grammar_masked(samplers: list[RequestSampler], logits: mx.array) -> dict[int, mx.array]:
+    """The logits (1, V) of each constrained row with the tokens its grammar forbids at -inf;
+    every constrained row's mask is filled in one parallel call."""
+    rows = [b for b, s in enumerate(samplers) if s.grammar is not None]
+    if not rows:
+        return {}
+    allowed = samplers[rows[0]].grammars.masks([samplers[b].grammar for b in rows])  # (R, V)
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:  # the embedding may have rows past the tokenizer's vocabulary
+        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    allowed = mx.array(allowed[:, :vocab])
+    picked = logits[mx.array(rows)].astype(mx.float32)
+    picked = mx.where(allowed, picked, mx.array(-mx.inf, dtype=mx.float32))
+    return {b: picked[i : i + 1] for i, b in enumerate(rows)}
 
 
 def sample_rows(samplers: list[RequestSampler], logits: mx.array) -> list[Pick]:

@@ -16,9 +16,11 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kvserve.configs import EngineConfig, HTTPConfig
+from kvserve.server.engine.grammar import Grammar
 from kvserve.server.engine.loop import Engine
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.scheduler import QueueFull
+from kvserve.server.http.chat import ChatInput, check_grammar, prepare_chat
 from kvserve.server.http.errors import APIError, document_errors, error_response, install_error_handlers
 from kvserve.server.http.guard import Gate, GuardMiddleware
 from kvserve.server.http.logprobs import LogprobFormat
@@ -64,10 +66,12 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
         _check_model(body.model, model.info.model_id)
-        tokens = _chat_tokens(model.tokenizer, body)
+        chat = prepare_chat(openai_chat(body), model.tokenizer)
+        await check_grammar(model.grammars, chat.grammar,
+                            "response_format" if body.response_format else "tool_choice")
         shape = Shape(chat=True, model=model.info.model_id, id_prefix="chatcmpl",
-                      logprobs=logprobs if body.logprob_request()[0] else None)
-        return await _generate(engine, body, tokens, shape, http_request)
+                      logprobs=logprobs if body.logprob_request()[0] else None, splitter=chat.splitter)
+        return await _generate(engine, body, chat.tokens, shape, http_request, grammar=chat.grammar)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http_request: HTTPRequest):
@@ -100,12 +104,11 @@ def _check_model(requested: str, served: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _chat_tokens(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
-    try:
-        tokens = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
-    except Exception as exc:  # templates raise on unsupported conversations (e.g. bad role order)
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-    return list(tokens)
+def openai_chat(body: ChatCompletionRequest) -> ChatInput:
+    return ChatInput(messages=body.template_messages(), tools=body.tool_dicts(),
+                     tool_choice=body.tool_choice_value() or "auto",
+                     parallel_tool_calls=body.parallel_tool_calls,
+                     response_format=body.response_format.as_dict() if body.response_format else None)
 
 
 def _prompt_tokens(tokenizer: Any, prompt: str | list[int], vocab: int) -> list[int]:
@@ -122,7 +125,7 @@ def _prompt_tokens(tokenizer: Any, prompt: str | list[int], vocab: int) -> list[
 
 
 def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits: EngineConfig,
-                    vocab_size: int) -> SamplingParams:
+                    vocab_size: int, grammar: Grammar | None = None) -> SamplingParams:
     """Validate lengths and token ids against the model and build the sampling parameters."""
     room = context - prompt_len
     if room < 1:
@@ -148,7 +151,7 @@ def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits:
                           min_p=body.min_p, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=bias,
                           seed=None if body.seed is None else body.seed % SEED_SPAN,
-                          stop=body.stop_list(), logprobs=logprobs, top_logprobs=top)
+                          stop=body.stop_list(), logprobs=logprobs, top_logprobs=top, grammar=grammar)
 
 
 # OpenAI seeds are signed 64-bit; MLX's PRNG takes unsigned 64-bit, so seeds wrap into it
@@ -172,9 +175,9 @@ def make_request(tokens: list[int], params: SamplingParams, n: int) -> Request:
 
 
 async def _generate(engine: Engine, body: SamplingFields, tokens: list[int], shape: Shape,
-                    http_request: HTTPRequest, prefix: str = ""):
+                    http_request: HTTPRequest, prefix: str = "", grammar: Grammar | None = None):
     params = sampling_params(body, len(tokens), engine.model.info.context_length, engine.config,
-                             engine.model.info.vocab_size)
+                             engine.model.info.vocab_size, grammar)
     request = make_request(tokens, params, body.n)
     members = [request, *request.forks]
     stream = EventStream([r.request_id for r in members])

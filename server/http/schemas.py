@@ -1,7 +1,9 @@
 """OpenAI request and response bodies (the subset kvserve serves), validated by pydantic.
 
-Fields that multiply work are capped here, before anything is tokenized. Unknown fields
-are ignored, as OpenAI clients send many optional ones; known ones are typed strictly.
+Fields that multiply work are capped here, before anything is tokenized. A field kvserve
+does not serve is refused with a 400 that names it, never silently dropped; the few that
+change nothing about the output (``user``, ``metadata``, ``store``...) are accepted. Known
+fields are typed strictly.
 
 Example:
     >>> r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stop="x")
@@ -11,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,8 +37,9 @@ Stop = Union[str, list[str], None]
 
 class _Body(BaseModel):
     # strict: a string, bool or float is never coerced into an int field ("5", true, 2.0 are
-    # 400s, as in OpenAI's API); ints are still accepted for float fields.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # 400s, as in OpenAI's API); ints are still accepted for float fields. forbid: a field
+    # that is not declared is a 400 naming it.
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 class StreamOptions(_Body):
@@ -44,6 +48,13 @@ class StreamOptions(_Body):
 
 class SamplingFields(_Body):
     model: str
+    # Accepted and ignored: they label or route a request, they change nothing it returns.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache finds shared prefixes by itself
+    safety_identifier: str | None = None
     max_tokens: MaxTokens | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -104,14 +115,116 @@ class TextPart(_Body):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+MAX_TOOLS = 128
+
+
+class FunctionCall(_Body):
+    name: FunctionName
+    arguments: str  # JSON text
+
+    def parsed_arguments(self) -> dict:
+        try:
+            value = json.loads(self.arguments) if self.arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise ValueError(f"arguments of {self.name!r} are not valid JSON") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"arguments of {self.name!r} must be a JSON object")
+        return value
+
+
+class ToolCall(_Body):
+    id: Annotated[str, Field(max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+    reasoning_content: str | None = None  # a past turn's reasoning: not shown to the model again
+    # What the official client echoes back from a response; only their empty values are taken.
+    refusal: None = None
+    annotations: Annotated[list[None], Field(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        for call in self.tool_calls or ():
+            call.function.parsed_arguments()
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict:
+        """The message as chat templates take it ("developer" is OpenAI's newer name for
+        the system role; tool-call arguments as objects)."""
+        out: dict = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.parsed_arguments()}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(_Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # arguments always match the schema when the call is forced
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+    def as_dict(self) -> dict:
+        out: dict = {"type": self.type}
+        if self.json_schema is not None:
+            out["json_schema"] = {"name": self.json_schema.name,
+                                  "schema": {} if self.json_schema.schema_ is None else self.json_schema.schema_}
+        return out
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -119,6 +232,31 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        if self.response_format is not None and self.response_format.type != "text" \
+                and self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("response_format and a forced tool_choice cannot both shape the output")
+        return self
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_choice_value(self):
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
@@ -132,12 +270,8 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def template_messages(self) -> list[dict]:
+        return [m.template_dict() for m in self.messages]
 
 
 class CompletionRequest(SamplingFields):

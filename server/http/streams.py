@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import AsyncIterator, Callable
 
+from kvserve.server.http.tools import Call, Piece, ReplySplitter, Text
+
 from fastapi import Request as HTTPRequest
 
 from kvserve.server.engine.request import FinishReason, TokenEvent, TokenLogprob, Usage
@@ -119,6 +121,7 @@ class Shape:
     model: str
     id_prefix: str
     logprobs: LogprobFormat | None = None
+    splitter: Callable[[], ReplySplitter] | None = None  # chat replies with tool calls or reasoning
 
     @property
     def object(self) -> str:
@@ -141,18 +144,49 @@ def usage_json(usage: Usage | None) -> dict | None:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def finish_reason_json(reason: FinishReason | None) -> str | None:
-    # OpenAI knows "stop" and "length"; an aborted or failed request ends as "stop".
+def finish_reason_json(reason: FinishReason | None, called: bool = False) -> str | None:
+    # OpenAI knows "stop", "length" and "tool_calls"; an aborted or failed request ends as "stop".
     if reason is None:
         return None
-    return "length" if reason is FinishReason.LENGTH else "stop"
+    if reason is FinishReason.LENGTH:
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
-def _choice(shape: Shape, index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+def tool_call_json(call: Call, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
+def message_json(pieces: list[Piece]) -> dict:
+    """A chat reply's message: content, reasoning_content and tool_calls from its pieces."""
+    content = "".join(p.text for p in pieces if isinstance(p, Text) and not p.reasoning)
+    reasoning = "".join(p.text for p in pieces if isinstance(p, Text) and p.reasoning)
+    calls = [tool_call_json(p) for p in pieces if isinstance(p, Call)]
+    message: dict = {"role": "assistant", "content": content or (None if calls else "")}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _choice(shape: Shape, index: int, text: str, reason: FinishReason | None, logprobs: dict | None) -> dict:
     if shape.chat:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        pieces = [Text(text)]
+        if shape.splitter is not None:
+            splitter = shape.splitter()
+            pieces = splitter.feed(text) + splitter.finish()
+        message = message_json(pieces)
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason_json(reason, "tool_calls" in message)}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason_json(reason)}
+
+
+def _piece_delta(piece: Piece, calls: int) -> dict:
+    if isinstance(piece, Call):
+        return {"tool_calls": [tool_call_json(piece, calls)]}
+    return {"reasoning_content": piece.text} if piece.reasoning else {"content": piece.text}
 
 
 def _delta(shape: Shape, index: int, text: str, reason: str | None, first: bool = False,
@@ -161,6 +195,29 @@ def _delta(shape: Shape, index: int, text: str, reason: str | None, first: bool 
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _split_chunks(splitter: ReplySplitter, index: int, event: TokenEvent, logprobs: dict | None) -> list[dict]:
+    """A chat event through the reply splitter: one chunk per piece (content, reasoning, a
+    whole tool call), the logprobs on the first, the finish reason on a last empty one."""
+    pieces = splitter.feed(event.text)
+    if event.finish_reason is not None:
+        pieces += splitter.finish()
+    calls_before = splitter.calls - sum(isinstance(p, Call) for p in pieces)
+    out = []
+    for piece in pieces:
+        out.append({"index": index, "delta": _piece_delta(piece, calls_before), "logprobs": None,
+                    "finish_reason": None})
+        calls_before += isinstance(piece, Call)
+    if logprobs is not None:
+        if out:
+            out[0]["logprobs"] = logprobs
+        else:
+            out.append({"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": None})
+    if event.finish_reason is not None:
+        out.append({"index": index, "delta": {}, "logprobs": None,
+                    "finish_reason": finish_reason_json(event.finish_reason, splitter.calls > 0)})
+    return out
 
 
 def total_usage(usages: list[Usage | None]) -> Usage | None:
@@ -176,7 +233,7 @@ async def collect(shape: Shape, stream: EventStream, http_request: HTTPRequest, 
     n = len(stream.request_ids)
     parts: list[list[str]] = [[prefix] for _ in range(n)]
     records: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    reasons: list[str | None] = [None] * n
+    reasons: list[FinishReason | None] = [None] * n
     usages: list[Usage | None] = [None] * n
     while not stream.finished:
         event = await stream.next(http_request)
@@ -186,7 +243,7 @@ async def collect(shape: Shape, stream: EventStream, http_request: HTTPRequest, 
         parts[i].append(event.text)
         records[i].extend(event.logprobs)
         if event.finish_reason is not None:
-            reasons[i], usages[i] = finish_reason_json(event.finish_reason), event.usage
+            reasons[i], usages[i] = event.finish_reason, event.usage
     choices = [_choice(shape, i, "".join(parts[i]), reasons[i], shape.logprobs_json(records[i], len(prefix)))
                for i in range(n)]
     return {"id": shape.new_id(), "object": shape.object, "created": int(time.time()),
@@ -208,6 +265,7 @@ async def sse_events(shape: Shape, stream: EventStream, include_usage: bool,
     n = len(stream.request_ids)
     offsets = [len(prefix)] * n  # legacy logprobs count characters per choice
     usages: list[Usage | None] = [None] * n
+    splitters = [shape.splitter() for _ in range(n)] if shape.splitter is not None else None
 
     def chunk(choices: list, usage: dict | None = None) -> str:
         body = {"id": chunk_id, "object": obj, "created": created, "model": shape.model,
@@ -225,13 +283,18 @@ async def sse_events(shape: Shape, stream: EventStream, include_usage: bool,
             if event is None:
                 yield KEEPALIVE
                 continue
-            i, reason = stream.index(event), finish_reason_json(event.finish_reason)
+            i = stream.index(event)
             if event.error:
                 yield _sse(engine_error(event)[1])
-            elif event.text or reason or event.logprobs:
+            elif splitters is not None:
+                for body in _split_chunks(splitters[i], i, event, shape.logprobs_json(list(event.logprobs), 0)):
+                    yield chunk([body])
+            elif event.text or event.finish_reason or event.logprobs:
                 logprobs = shape.logprobs_json(list(event.logprobs), offsets[i])
+                reason = finish_reason_json(event.finish_reason)
                 yield chunk([_delta(shape, i, event.text, reason, logprobs=logprobs)])
             offsets[i] += len(event.text)
+            reason = event.finish_reason
             if reason is not None:
                 usages[i] = event.usage
         if include_usage:

@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""An agent's session against the server: how much of each turn's prompt the prefix cache
+serves, across a restart, and the time to first token per turn beside mlx_lm.server.
+
+    python bench/agent_session.py [--model DIR] [--turns 10] [--restart-after 5] \\
+        [--out docs/benchmarks/agent-session.md]
+
+The script is a coding agent's loop: a ~2,000-token system prompt (instructions and eight
+tools with JSON schemas), a task, then per turn the agent's tool call and the tool's result
+fed back, and a request for the next step (greedy, streamed, 16 tokens). The calls and
+results are fixed, so both servers see the same conversation. The conversation goes out
+already in the Hermes convention (tools listed in the system prompt, calls in
+``<tool_call>`` tags, results in ``<tool_response>`` turns), which is what kvserve renders
+from OpenAI's ``tools`` / ``tool_calls`` / ``tool`` messages for a template without tool
+calling: both servers then get identical prompt tokens, and mlx_lm.server (which passes
+``tools`` to a template that ignores them) gets the tools at all.
+
+Each server is restarted after ``--restart-after`` turns: kvserve keeps its prefix cache on
+disk, mlx_lm.server's prompt cache lives in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from kvserve.bench.cli import default_model_dir, machine
+from kvserve.bench.targets import Running, Target
+from kvserve.server.http.conversation import render_messages
+from kvserve.server.http.tools import ToolFormat
+
+TOOL_NAMES = [("read_file", "Read a file of the repository.", {"path": "string"}),
+              ("list_dir", "List a directory.", {"path": "string"}),
+              ("grep", "Search the repository for a regular expression.", {"pattern": "string", "path": "string"}),
+              ("run_tests", "Run the test suite, or one test file.", {"target": "string"}),
+              ("edit_file", "Replace a unique snippet of a file.", {"path": "string", "old": "string", "new": "string"}),
+              ("create_file", "Create a file with the given content.", {"path": "string", "content": "string"}),
+              ("git_diff", "Show the working tree's changes.", {}),
+              ("ask_user", "Ask the user a question when the task is unclear.", {"question": "string"})]
+
+RULES = [
+    "Read before you edit: open every file you change, and the tests that cover it.",
+    "Keep changes minimal and focused on the task; do not reformat unrelated code.",
+    "Run the tests after each change and read the failures before changing anything else.",
+    "Never invent file contents, function names or test results; call a tool to find out.",
+    "Prefer small functions, clear names and comments that explain why, not what.",
+    "When a test fails, find the cause: do not weaken the test to make it pass.",
+    "Explain each step in one short sentence before calling a tool.",
+    "Stop and ask the user when the task is ambiguous or a change would delete data.",
+]
+
+CALLS = [("list_dir", {"path": "src"}), ("read_file", {"path": "src/parser.py"}),
+         ("grep", {"pattern": "def parse_date", "path": "src"}), ("read_file", {"path": "tests/test_parser.py"}),
+         ("run_tests", {"target": "tests/test_parser.py"}),
+         ("edit_file", {"path": "src/parser.py", "old": "fmt = '%d/%m/%Y'", "new": "fmt = '%Y-%m-%d'"}),
+         ("run_tests", {"target": "tests/test_parser.py"}), ("git_diff", {}),
+         ("read_file", {"path": "README.md"}), ("run_tests", {"target": "tests"})]
+
+
+def tools() -> list[dict]:
+    out = []
+    for name, description, fields in TOOL_NAMES:
+        props = {k: {"type": v, "description": f"The {k} argument of {name}."} for k, v in fields.items()}
+        out.append({"type": "function", "function": {"name": name, "description": description, "parameters": {
+            "type": "object", "properties": props, "required": list(fields), "additionalProperties": False}}})
+    return out
+
+
+def system_prompt(target_tokens: int) -> str:
+    """Agent instructions, repeated with numbered sections up to about ``target_tokens``."""
+    parts, n = ["You are a careful software engineer working in a Python repository."], 1
+    while sum(len(p) for p in parts) < target_tokens * 3:  # ~3.5 characters per token, tools add more
+        parts.append(f"Section {n}. " + " ".join(RULES[(n + i) % len(RULES)] for i in range(4)))
+        n += 1
+    return "\n\n".join(parts)
+
+
+def tool_result(turn: int) -> str:
+    lines = [f"{turn * 10 + i:4d}  def helper_{turn}_{i}(value):  # parses field {i} of record {turn}"
+             for i in range(4)]
+    return "\n".join(lines)
+
+
+def conversation(turn: int, prompt_tokens: int) -> list[dict]:
+    """Messages up to the request of ``turn`` (0-based), rendered in the Hermes convention."""
+    messages = [{"role": "system", "content": system_prompt(prompt_tokens)},
+                {"role": "user", "content": "The date parser rejects ISO dates like 2024-05-01. Fix it."}]
+    for t in range(turn):
+        name, args = CALLS[t % len(CALLS)]
+        messages += [{"role": "assistant", "content": f"Step {t + 1}.", "tool_calls": [
+                         {"id": f"call_{t}", "type": "function", "function": {"name": name, "arguments": args}}]},
+                     {"role": "tool", "tool_call_id": f"call_{t}", "content": tool_result(t)}]
+    return render_messages(messages, tools(), ToolFormat.hermes())
+
+
+def one_turn(running: Running, messages: list[dict]) -> dict:
+    body = {"model": running.model_name, "messages": messages, "temperature": 0, "max_tokens": 16,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start, first, usage = time.perf_counter(), None, {}
+    with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                first = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return {"ttft": first, "prompt_tokens": usage.get("prompt_tokens"), "cached": details.get("cached_tokens")}
+
+
+def session(target: Target, model_dir: Path, turns: int, restart_after: int, prompt_tokens: int) -> list[dict]:
+    rows, running = [], Running(target, model_dir)
+    try:
+        for turn in range(turns):
+            if turn == restart_after:
+                running.stop()
+                running = Running(target, model_dir)
+            row = one_turn(running, conversation(turn, prompt_tokens))
+            rows.append({"turn": turn + 1, "restarted": turn == restart_after, **row})
+    finally:
+        running.stop()
+    return rows
+
+
+def render(ours: list[dict], peer: list[dict] | None, args, model_dir: Path, argv: list[str]) -> str:
+    lines = [f"# An agent session: {args.turns} turns, restarted after turn {args.restart_after}", "",
+             f"- date: {datetime.date.today().isoformat()}", f"- machine: {machine()}",
+             f"- model: `{model_dir}`", f"- command: `python bench/agent_session.py {shlex.join(argv)}`", "",
+             "| turn | prompt tokens | new this turn | cached (kvserve) | share | kvserve TTFT (s) "
+             "| mlx_lm.server TTFT (s) |", "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(ours):
+        share = (r["cached"] or 0) / r["prompt_tokens"]
+        new = r["prompt_tokens"] - (ours[i - 1]["prompt_tokens"] if i else 0)
+        theirs = f"{peer[i]['ttft']:.3f}" if peer else "-"
+        mark = " (after restart)" if r["restarted"] else ""
+        lines.append(f"| {r['turn']}{mark} | {r['prompt_tokens']} | {new} | {r['cached']} | {share:.1%} "
+                     f"| {r['ttft']:.3f} | {theirs} |")
+    later = ours[1:]
+    cached, total = sum(r["cached"] or 0 for r in later), sum(r["prompt_tokens"] for r in later)
+    lines += ["", f"Turns 2-{args.turns}: {cached} of {total} prompt tokens served from the prefix cache "
+              f"({cached / total:.1%}); lowest turn {min((r['cached'] or 0) / r['prompt_tokens'] for r in later):.1%}."]
+    if peer:
+        ours_t, peer_t = sum(r["ttft"] for r in later), sum(r["ttft"] for r in peer[1:])
+        lines.append(f"TTFT summed over turns 2-{args.turns}: kvserve {ours_t:.2f} s, mlx_lm.server {peer_t:.2f} s.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model directory (default: the default model)")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--restart-after", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=int, default=2000, help="about this many in the system prompt")
+    p.add_argument("--kv-scheme", default="fp16")
+    p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--out", help="write the Markdown report here")
+    args = p.parse_args(argv)
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    with tempfile.TemporaryDirectory(prefix="kvserve-agent-bench-") as cache:
+        target = Target.parse(f"kvserve:--kv-scheme {args.kv_scheme} --prompt-cache-dir {cache}")
+        ours = session(target, model_dir, args.turns, args.restart_after, args.prompt_tokens)
+    peer = None if args.skip_peer else session(Target.parse("mlx_lm:"), model_dir, args.turns,
+                                               args.restart_after, args.prompt_tokens)
+    report = render(ours, peer, args, model_dir, argv)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
