@@ -46,7 +46,7 @@ class Timed:
         setattr(self.owner, self.name, self.inner)
 
 
-def run(loaded, constrained: int, batch: int, steps: int) -> dict:
+def run(loaded, constrained: int, batch: int, steps: int, temperature: float) -> dict:
     from kvserve.server.engine.grammar import Grammar, RowGrammar
     from kvserve.server.engine.request import Request, SamplingParams
     from kvserve.server.engine.scheduler import Scheduler
@@ -58,7 +58,7 @@ def run(loaded, constrained: int, batch: int, steps: int) -> dict:
     for row in range(batch):
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": f"List forty cats as JSON, request {row}."}], add_generation_prompt=True)
-        params = SamplingParams(max_tokens=steps + 8, temperature=1.0, seed=row,
+        params = SamplingParams(max_tokens=steps + 8, temperature=temperature, seed=row,
                                 grammar=grammar if row < constrained else None)
         scheduler.add(Request(list(prompt), params))
     masks = Timed(runner.grammars, "masks")
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--kv-scheme", default="fp16")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--temperatures", default="0,1")
     args = parser.parse_args()
 
     from kvserve.cache import parse_scheme
@@ -110,13 +111,15 @@ def main() -> None:
     loaded = load_model(ModelConfig(model=args.model), parse_scheme(args.kv_scheme), blas=blas.describe())
     loaded.grammars.tokenizer  # noqa: B018 - built once, before timing
     print(f"model {loaded.info.model_id}, KV {args.kv_scheme}, batch {args.batch}, {args.steps} decode steps\n")
-    print("| rows with a grammar | step ms (median) | mask ms / step | consume ms / step | mask share of step |")
-    print("|---|---|---|---|---|")
-    for constrained in (0, args.batch // 2, args.batch):
-        r = run(loaded, constrained, args.batch, args.steps)
-        share = r["mask_ms"] / r["step_ms"] if constrained else 0.0
-        print(f"| {constrained} of {args.batch} | {r['step_ms']:.1f} | {r['mask_ms']:.2f} | "
-              f"{r['consume_ms']:.2f} | {100 * share:.1f}% |")
+    print("| temperature | rows with a grammar | step ms (median) | mask ms / step | consume ms / step "
+          "| mask + consume share of step |")
+    print("|---|---|---|---|---|---|")
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        for constrained in (0, args.batch // 2, args.batch):
+            r = run(loaded, constrained, args.batch, args.steps, temperature)
+            share = (r["mask_ms"] + r["consume_ms"]) / r["step_ms"]
+            print(f"| {temperature:g} | {constrained} of {args.batch} | {r['step_ms']:.1f} | {r['mask_ms']:.2f} | "
+                  f"{r['consume_ms']:.2f} | {100 * share:.1f}% |")
 
 
 if __name__ == "__main__":

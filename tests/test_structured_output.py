@@ -106,6 +106,14 @@ def test_rows_without_a_grammar_decode_as_alone_beside_constrained_rows(client):
     assert all(m.choices[0].finish_reason == "tool_calls" for m in (mixed[0], mixed[2]))
 
 
+def test_a_seeded_constrained_request_samples_the_same_alone_and_batched(client):
+    def args(seed):
+        return forced_call(client, seed, parallel_tool_calls=False).choices[0].message.tool_calls[0].function.arguments
+
+    alone = [args(s) for s in (11, 12, 13)]
+    assert together([lambda s=s: args(s) for s in (11, 12, 13)]) == alone
+
+
 def test_tool_results_round_trip_and_the_next_turn_reuses_the_cached_call(client):
     first = forced_call(client, 3, parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]

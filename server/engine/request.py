@@ -83,12 +83,6 @@ class SamplingParams:
         """Argmax of the raw logits: such rows of a batch are sampled together."""
         return self.greedy and not self.adjusts_logits and self.grammar is None
 
-    @property
-    def needs_last_token(self) -> bool:
-        """Sampling depends on the previous token, known on the host only once it is read
-        (penalties count it, a grammar consumes it): no decode step is queued ahead."""
-        return self.penalized or self.grammar is not None
-
 
 @dataclass
 class Request:

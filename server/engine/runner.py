@@ -20,8 +20,10 @@ mlx-lm's ``generate`` does. When the next plan decodes those rows, the queued st
 decode (rows that finished meanwhile are dropped from it); when it decodes others (a
 preemption or a resumed request), the step is undone: one slot trimmed from every row and
 the samplers' keys given back, so the tokens are those of a run that never went ahead.
-Rows with presence or frequency penalties, or a grammar, need the last token on the host
-before they sample (counted, or fed to the grammar), so a batch holding one does not go ahead.
+Rows with presence or frequency penalties need the last token counted on the host before
+they sample, so a batch holding one does not go ahead. A row with a grammar goes ahead: its
+forward is queued, and its masked sampling waits until the token before is read and fed to
+its grammar (``Draw.complete``), so rows without a grammar lose nothing beside it.
 
 The choices of an ``n > 1`` request (its forks) get copies of their leader's cache when its
 prompt completes, and their first tokens are sampled from the same logits. A preempted
@@ -99,6 +101,14 @@ class DecodeStep:
     def narrow(self, rows: list[str]) -> DecodeStep:
         """The step for ``rows``, a subset of its rows in their order (the rest finished)."""
         return DecodeStep(list(rows), self.draw.select([self.rows.index(r) for r in rows]))
+
+    def complete(self) -> DecodeStep:
+        """The step with its constrained rows sampled (``Draw.complete``)."""
+        if not self.draw.deferred:
+            return self
+        draw = self.draw.complete()
+        mx.async_eval(draw.arrays())
+        return DecodeStep(self.rows, draw)
 
 
 class ModelRunner:
@@ -323,7 +333,7 @@ class ModelRunner:
         exactly them, else a new forward (after undoing the queued one)."""
         planned = {r.request_id for r in requests}
         if self._ahead is not None and planned == set(self._rows):
-            step, self._ahead = self._ahead.narrow(self._rows), None
+            step, self._ahead = self._ahead.narrow(self._rows).complete(), None
             return step
         self._undo_ahead()
         if not requests:
@@ -332,28 +342,30 @@ class ModelRunner:
         self._join([r.request_id for r in requests if r.request_id not in self._rows])
         return self._forward(mx.array([[self._last[r]] for r in self._rows]))  # (B, 1)
 
-    def _forward(self, tokens: mx.array) -> DecodeStep:
-        """One decode forward over the whole batch, sampled per row, evaluation started."""
+    def _forward(self, tokens: mx.array, ahead: bool = False) -> DecodeStep:
+        """One decode forward over the whole batch, sampled per row, evaluation started.
+        ``ahead``: fed tokens not read yet, so constrained rows sample later (``complete``)."""
         logits = self.model(tokens, cache=self._batch)[:, -1, :]  # (B, V)
         self._batch.maybe_convert()
         # Each row with its own sampler: per-request filters, penalties and PRNG key.
-        draw = draw_rows([self._samplers[r] for r in self._rows], logits)
+        draw = draw_rows([self._samplers[r] for r in self._rows], logits, defer=ahead)
         mx.async_eval(draw.arrays())
         return DecodeStep(list(self._rows), draw)
 
     def _queue_ahead(self, step: DecodeStep | None, ending: set[str]) -> DecodeStep | None:
         """Queue the next decode of every batch row, fed this step's tokens as arrays (rows
         that joined after it: their first token). None when every row ends here, or when
-        a row's penalties or grammar need its last token first."""
+        a row's penalties need its last token counted first. Constrained rows go ahead
+        too: their masked sampling waits for the next step (``Draw.complete``)."""
         rows = self._rows
-        if not rows or ending.issuperset(rows) or any(self._samplers[r].params.needs_last_token for r in rows):
+        if not rows or ending.issuperset(rows) or any(self._samplers[r].params.penalized for r in rows):
             return None
         decoded = step.rows if step is not None else []
         assert rows[: len(decoded)] == decoded, "rows join the batch at its end"
         parts = [step.draw.tokens.astype(mx.int32)] if decoded else []
         if len(rows) > len(decoded):
             parts.append(mx.array([self._last[r] for r in rows[len(decoded):]], dtype=mx.int32))
-        return self._forward(mx.concatenate(parts)[:, None] if len(parts) > 1 else parts[0][:, None])
+        return self._forward(mx.concatenate(parts)[:, None] if len(parts) > 1 else parts[0][:, None], ahead=True)
 
     def _read(self, step: DecodeStep | None) -> dict[str, Pick]:
         """Wait for a step's tokens; they become the rows' next decode inputs."""

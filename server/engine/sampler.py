@@ -98,12 +98,19 @@ class RequestSampler:
 @dataclass(frozen=True)
 class Draw:
     """Tokens sampled for a batch, still arrays: ``tokens`` (B,) and, for the rows that ask,
-    their log-probability arrays. ``keys`` are the samplers' keys before the draw."""
+    their log-probability arrays. ``keys`` are the samplers' keys before the draw.
+
+    A draw queued before the previous tokens are read cannot mask its constrained rows yet
+    (their grammars have not seen the previous token): those rows are ``deferred``, their
+    logits kept, and ``complete`` samples them once the grammars are current. The forward
+    itself is already on the device; only the masked sampling of those rows waits."""
 
     samplers: tuple[RequestSampler, ...]
     keys: tuple[mx.array, ...]
     tokens: mx.array
     scored: dict[int, tuple[mx.array, ...]]
+    deferred: tuple[int, ...] = ()
+    logits: mx.array | None = None  # (B, V), kept while rows are deferred
 
     def arrays(self) -> list:
         return [self.tokens, self.scored]
@@ -112,12 +119,29 @@ class Draw:
         """The same draw for these rows only, in this order (rows that left are dropped)."""
         if rows == list(range(len(self.samplers))):
             return self
+        index = mx.array(rows)
         return Draw(tuple(self.samplers[b] for b in rows), tuple(self.keys[b] for b in rows),
-                    self.tokens[mx.array(rows)],
-                    {i: self.scored[b] for i, b in enumerate(rows) if b in self.scored})
+                    self.tokens[index], {i: self.scored[b] for i, b in enumerate(rows) if b in self.scored},
+                    tuple(i for i, b in enumerate(rows) if b in self.deferred),
+                    None if self.logits is None else self.logits[index])
+
+    def complete(self) -> Draw:
+        """Sample the deferred rows, their grammars now fed every earlier token."""
+        if not self.deferred:
+            return self
+        rows = list(self.deferred)
+        samplers = [self.samplers[b] for b in rows]
+        masked = _grammar_masked(samplers, self.logits[mx.array(rows)])
+        own = {b: samplers[i].sample(masked[i]) for i, b in enumerate(rows)}
+        tokens = mx.concatenate([own[b] if b in own else self.tokens[b : b + 1] for b in range(len(self.samplers))])
+        scored = dict(self.scored)
+        scored.update({b: _logprob_arrays(self.logits[b], tokens[b], self.samplers[b].params.top_logprobs)
+                       for b in rows if self.samplers[b].params.logprobs})
+        return Draw(self.samplers, self.keys, tokens, scored)
 
     def read(self) -> list[Pick]:
         """Wait for the tokens; each row's sampler counts its token."""
+        assert not self.deferred, "complete() the draw first"
         mx.eval(self.arrays())
         values = self.tokens.tolist()
         for sampler, token in zip(self.samplers, values):
@@ -131,30 +155,32 @@ class Draw:
             sampler._key = key
 
 
-def draw_rows(samplers: list[RequestSampler], logits: mx.array) -> Draw:
+def draw_rows(samplers: list[RequestSampler], logits: mx.array, defer: bool = False) -> Draw:
     """Sample row ``b`` of ``logits`` (B, V) with ``samplers[b]``, as arrays (nothing runs).
 
     Plain greedy rows share one argmax over the whole batch; the others sample alone. A
-    penalized or constrained row must have observed every earlier token first (its counts
-    and its grammar's state live here).
+    penalized row must have observed every earlier token first (its counts live here); a
+    constrained row too, or with ``defer`` it waits for ``Draw.complete``.
     """
     keys = tuple(s._key for s in samplers)
     greedy = mx.argmax(logits, axis=-1)  # (B,)
-    masked = _grammar_masked(samplers, logits)
-    own = {b: s.sample(masked.get(b, logits[b : b + 1])) for b, s in enumerate(samplers)
-           if not s.params.plain_greedy}
+    deferred = tuple(b for b, s in enumerate(samplers) if defer and s.grammar is not None)
+    now = [s if b not in deferred else None for b, s in enumerate(samplers)]
+    masked = _grammar_masked(now, logits)
+    own = {b: s.sample(masked.get(b, logits[b : b + 1])) for b, s in enumerate(now)
+           if s is not None and not s.params.plain_greedy}
     tokens = mx.concatenate([own[b] if b in own else greedy[b : b + 1]
                              for b in range(len(samplers))]) if samplers else greedy
-    wanted = [b for b, s in enumerate(samplers) if s.params.logprobs]
+    wanted = [b for b, s in enumerate(now) if s is not None and s.params.logprobs]
     scored = {b: _logprob_arrays(logits[b], tokens[b], samplers[b].params.top_logprobs)
               for b in wanted}
-    return Draw(tuple(samplers), keys, tokens, scored)
+    return Draw(tuple(samplers), keys, tokens, scored, deferred, logits if deferred else None)
 
 
-def _grammar_masked(samplers: list[RequestSampler], logits: mx.array) -> dict[int, mx.array]:
+def _grammar_masked(samplers: list[RequestSampler | None], logits: mx.array) -> dict[int, mx.array]:
     """The logits (1, V) of each constrained row with the tokens its grammar forbids at -inf;
-    every constrained row's mask is filled in one parallel call."""
-    rows = [b for b, s in enumerate(samplers) if s.grammar is not None]
+    every constrained row's mask is filled in one parallel call (None: a row left out)."""
+    rows = [b for b, s in enumerate(samplers) if s is not None and s.grammar is not None]
     if not rows:
         return {}
     allowed = samplers[rows[0]].grammars.masks([samplers[b].grammar for b in rows])  # (R, V)

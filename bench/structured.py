@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Does structured output hold every time? Sampled requests through the official clients,
+each output checked against its schema.
+
+    python bench/structured.py [--model DIR] [--requests 100] [--concurrency 8] \\
+        [--out docs/benchmarks/structured-output.md]
+
+Against one ``kvserve serve`` on the model (the default model unless given), at
+temperature 1 with a different seed per request, ``--concurrency`` requests in flight:
+
+1. OpenAI chat completions, a named ``tool_choice``: the call's arguments validate
+   against the tool's parameter schema;
+2. OpenAI ``response_format`` json_schema: the content validates against the schema;
+3. a streamed forced tool call, assembled by the openai client's stream helper;
+4. Anthropic messages with ``tool_choice`` {"type": "tool"}: the tool_use input validates,
+   through ``messages.create`` and through ``messages.stream``.
+
+A request counts as valid only when it finished because the output was complete (not cut
+by max_tokens) and the parsed output validates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jsonschema
+
+from kvserve.bench.cli import default_model_dir, machine
+from kvserve.bench.targets import Running, Target
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 40},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"], "additionalProperties": False}
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "email": {"type": "string", "format": "email"},
+    "languages": {"type": "array", "items": {"type": "string", "enum": ["en", "fr", "de", "es", "ja"]},
+                  "minItems": 1, "maxItems": 3},
+    "address": {"type": "object", "properties": {"street": {"type": "string", "maxLength": 60},
+                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["street", "zip"], "additionalProperties": False}},
+    "required": ["name", "age", "email", "languages", "address"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "What will the weather be in Paris this week?"}]
+
+
+def openai_forced(client, seed: int) -> bool:
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}}
+    r = client.chat.completions.create(model="default", messages=ASK, tools=[tool], temperature=1.0, seed=seed,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       parallel_tool_calls=False, max_tokens=120)
+    choice = r.choices[0]
+    return choice.finish_reason == "tool_calls" and _valid(choice.message.tool_calls[0].function.arguments, WEATHER)
+
+
+def openai_schema(client, seed: int) -> bool:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model="default", temperature=1.0, seed=seed, max_tokens=200,
+                                       messages=[{"role": "user", "content": "Invent a person, as JSON."}],
+                                       response_format=fmt)
+    return r.choices[0].finish_reason == "stop" and _valid(r.choices[0].message.content, PERSON)
+
+
+def openai_streamed(client, seed: int) -> bool:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+    with client.chat.completions.stream(model="default", messages=ASK, tools=[tool], temperature=1.0, seed=seed,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                        parallel_tool_calls=False, max_tokens=120) as stream:
+        final = stream.get_final_completion().choices[0]
+    return final.finish_reason == "tool_calls" and _valid(final.message.tool_calls[0].function.arguments, WEATHER)
+
+
+def anthropic_forced(client, seed: int, stream: bool) -> bool:
+    kwargs = dict(model="default", max_tokens=120, temperature=1.0, messages=ASK,
+                  tools=[{"name": "get_weather", "description": "Forecast", "input_schema": WEATHER}],
+                  tool_choice={"type": "tool", "name": "get_weather"})
+    if stream:
+        with client.messages.stream(**kwargs) as s:
+            message = s.get_final_message()
+    else:
+        message = client.messages.create(**kwargs)
+    blocks = [b for b in message.content if b.type == "tool_use"]
+    return message.stop_reason == "tool_use" and len(blocks) >= 1 and _valid(blocks[0].input, WEATHER)
+
+
+def _valid(document, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(document) if isinstance(document, str) else document, schema,
+                            format_checker=jsonschema.FormatChecker())
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def count(check, n: int, concurrency: int) -> int:
+    with ThreadPoolExecutor(concurrency) as pool:
+        return sum(pool.map(check, range(n)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model directory (default: the default model)")
+    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--kv-scheme", default="fp16")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    import anthropic
+    import openai
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    running = Running(Target.parse(f"kvserve:--kv-scheme {args.kv_scheme}"), model_dir)
+    try:
+        oai = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+        ant = anthropic.Anthropic(base_url=running.base_url, api_key="unused", max_retries=0, timeout=600)
+        checks = [("OpenAI chat, named tool_choice", lambda s: openai_forced(oai, s)),
+                  ("OpenAI chat, response_format json_schema (PERSON)", lambda s: openai_schema(oai, s)),
+                  ("OpenAI chat, streamed named tool_choice (stream helper)", lambda s: openai_streamed(oai, s)),
+                  ("Anthropic messages.create, tool_choice tool", lambda s: anthropic_forced(ant, s, False)),
+                  ("Anthropic messages.stream, tool_choice tool", lambda s: anthropic_forced(ant, s, True))]
+        rows = [(name, count(check, args.requests, args.concurrency)) for name, check in checks]
+    finally:
+        running.stop()
+    lines = [f"# Structured output: {args.requests} sampled requests per check", "",
+             f"- date: {datetime.date.today().isoformat()}", f"- machine: {machine()}",
+             f"- model: `{model_dir}`, KV {args.kv_scheme}, temperature 1, a seed per request, "
+             f"{args.concurrency} in flight",
+             f"- command: `python bench/structured.py {shlex.join(argv)}`", "",
+             "| check | valid |", "|---|---|"]
+    lines += [f"| {name} | {ok} of {args.requests} |" for name, ok in rows]
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+    return 0 if all(ok == args.requests for _, ok in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
