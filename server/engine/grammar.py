@@ -91,7 +91,10 @@ class Grammars:
                 from llguidance import LLExecutor
                 from llguidance.hf import from_tokenizer
 
-                self._tokenizer = from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
+                try:
+                    self._tokenizer = from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
+                except Exception as exc:  # e.g. a slow (Python) tokenizer: no byte-level vocabulary
+                    raise GrammarError(f"structured output is not available for this tokenizer: {exc}") from None
                 self._executor = LLExecutor(self._threads)
             return self._tokenizer
 
