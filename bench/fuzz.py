@@ -61,12 +61,13 @@ class FuzzReport:
                 f"- `/health` not 200 after a case: **{len(self.health_failures)}**\n")
 
 
-def shape_problem(status: int, text: str) -> str | None:
-    """Why an error body is not the OpenAI shape, or None.
+def shape_problem(status: int, text: str, anthropic: bool = False) -> str | None:
+    """Why an error body is not the OpenAI shape (with ``anthropic``: Anthropic's), or None.
 
     >>> shape_problem(400, '{"error": {"message": "m", "type": "invalid_request_error", "param": null, "code": null}}')
     >>> shape_problem(422, '{"detail": []}')
     'no error object'
+    >>> shape_problem(400, '{"type": "error", "error": {"type": "invalid_request_error", "message": "m"}}', True)
     """
     try:
         body = json.loads(text)
@@ -75,7 +76,9 @@ def shape_problem(status: int, text: str) -> str | None:
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         return "no error object"
-    if set(error) != ERROR_KEYS:
+    if anthropic and (body.get("type") != "error" or set(error) != {"type", "message"}):
+        return f"not Anthropic's error shape: keys {sorted(body)} / {sorted(error)}"
+    if not anthropic and set(error) != ERROR_KEYS:
         return f"error keys {sorted(error)}"
     if not isinstance(error["message"], str) or not error["message"] or not isinstance(error["type"], str):
         return "message or type not a non-empty string"
@@ -90,7 +93,8 @@ def check_response(report: FuzzReport, label: str, status: int, text: str, sent:
         report.server_errors.append(where)
     if status not in DOCUMENTED:
         report.undocumented.append(where)
-    if status >= 400 and (problem := shape_problem(status, text)):
+    anthropic = label.startswith("POST /v1/messages")  # Anthropic's routes answer in its shape
+    if status >= 400 and (problem := shape_problem(status, text, anthropic)):
         report.bad_shapes.append(f"{where} ({problem})")
 
 

@@ -79,9 +79,9 @@ def openai_streamed(client, seed: int) -> bool:
 
 
 def anthropic_forced(client, seed: int, stream: bool) -> bool:
-    kwargs = dict(model="default", max_tokens=120, temperature=1.0, messages=ASK,
+    kwargs = dict(model="default", max_tokens=120, messages=ASK,  # the API default: temperature 1
                   tools=[{"name": "get_weather", "description": "Forecast", "input_schema": WEATHER}],
-                  tool_choice={"type": "tool", "name": "get_weather"})
+                  tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
     if stream:
         with client.messages.stream(**kwargs) as s:
             message = s.get_final_message()

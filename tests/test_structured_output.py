@@ -54,14 +54,14 @@ def client(server):
 
 def forced_call(client, seed: int, **kwargs):
     return client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice=FORCE_WEATHER,
-                                          temperature=1.0, seed=seed, max_tokens=80, **kwargs)
+                                          temperature=1.0, seed=seed, max_tokens=120, **kwargs)
 
 
 def test_a_named_tool_choice_always_gives_valid_arguments(client):
     replies = together([lambda s=s: forced_call(client, s, parallel_tool_calls=False) for s in range(16)])
     for reply in replies:
         choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, reply.model_dump_json()
         (call,) = choice.message.tool_calls
         assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)

@@ -239,7 +239,7 @@ class Engine:
         self.metrics.e2e.observe(time.monotonic() - request.arrival_time)
         usage = Usage(request.num_prompt_tokens, request.num_generated, request.num_prefix_cached)
         live.sink(TokenEvent(request.request_id, text, finish_reason=reason, usage=usage,
-                             error=error, logprobs=logprobs))
+                             error=error, logprobs=logprobs, stop=live.output.matcher.matched))
         for fork in request.forks:  # choices that never started die with their leader
             if fork.status is RequestStatus.WAITING and fork.request_id in self._live:
                 self._finish(fork, reason, "", error)

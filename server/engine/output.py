@@ -22,6 +22,7 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
         self._held = ""
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns ``(text safe to emit, stopped)``."""
@@ -40,8 +41,11 @@ class StopMatcher:
         return held
 
     def _first_stop(self, window: str) -> int | None:
-        positions = [i for i in (window.find(s) for s in self.stops) if i >= 0]
-        return min(positions) if positions else None
+        hits = [(i, s) for i, s in ((window.find(s), s) for s in self.stops) if i >= 0]
+        if not hits:
+            return None
+        at, self.matched = min(hits, key=lambda h: h[0])
+        return at
 
     def _partial_suffix(self, window: str) -> int:
         """Length of the longest suffix of ``window`` that is a proper prefix of a stop."""

@@ -162,3 +162,4 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     usage: Usage | None = None
     error: str | None = None
+    stop: str | None = None  # the stop string that ended the request, if one did

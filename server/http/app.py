@@ -7,25 +7,24 @@ Handlers validate, tokenize (chat template included), check the context length a
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from kvserve.configs import EngineConfig, HTTPConfig
+from kvserve.configs import HTTPConfig
 from kvserve.server.engine.grammar import Grammar
 from kvserve.server.engine.loop import Engine
-from kvserve.server.engine.request import Request, SamplingParams
-from kvserve.server.engine.scheduler import QueueFull
+from kvserve.server.http.anthropic import install_anthropic_routes
 from kvserve.server.http.chat import ChatInput, check_grammar, prepare_chat
 from kvserve.server.http.errors import APIError, document_errors, error_response, install_error_handlers
 from kvserve.server.http.guard import Gate, GuardMiddleware
 from kvserve.server.http.logprobs import LogprobFormat
 from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvserve.server.http.streams import ClientGone, EngineFailed, EventStream, Shape, collect, sse_events
+from kvserve.server.http.streams import ClientGone, EngineFailed, Shape, collect, sse_events
+from kvserve.server.http.submit import submit
 
 
 def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None = None) -> FastAPI:
@@ -82,6 +81,7 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
                       logprobs=logprobs if body.logprob_request()[0] else None)
         return await _generate(engine, body, tokens, shape, http_request, prefix)
 
+    install_anthropic_routes(app, engine, _check_model)
     return app
 
 
@@ -124,95 +124,19 @@ def _prompt_tokens(tokenizer: Any, prompt: str | list[int], vocab: int) -> list[
     return list(prompt)
 
 
-def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits: EngineConfig,
-                    vocab_size: int, grammar: Grammar | None = None) -> SamplingParams:
-    """Validate lengths and token ids against the model and build the sampling parameters."""
-    room = context - prompt_len
-    if room < 1:
-        raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context}",
-                       param="messages" if hasattr(body, "messages") else "prompt",
-                       code="context_length_exceeded")
-    requested = body.requested_max_tokens()
-    if requested is not None and requested > limits.max_tokens_limit:
-        raise APIError(400, f"max_tokens must be at most {limits.max_tokens_limit}", param="max_tokens")
-    if requested is not None and requested > room:
-        raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds "
-                       f"this model's context of {context}", param="max_tokens",
-                       code="context_length_exceeded")
-    if body.n > limits.max_batch_size:
-        raise APIError(400, f"n must be at most {limits.max_batch_size} (the batch size)", param="n")
-    bias = body.bias_pairs()
-    if any(token >= vocab_size for token, _ in bias):
-        raise APIError(400, f"logit_bias token ids must be below the vocabulary size {vocab_size}",
-                       param="logit_bias")
-    logprobs, top = body.logprob_request()
-    return SamplingParams(max_tokens=min(requested or limits.max_tokens, room),
-                          temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          min_p=body.min_p, presence_penalty=body.presence_penalty,
-                          frequency_penalty=body.frequency_penalty, logit_bias=bias,
-                          seed=None if body.seed is None else body.seed % SEED_SPAN,
-                          stop=body.stop_list(), logprobs=logprobs, top_logprobs=top, grammar=grammar)
-
-
-# OpenAI seeds are signed 64-bit; MLX's PRNG takes unsigned 64-bit, so seeds wrap into it
-# (-1 -> 2**64 - 1), as do the seeds of choices 2..n past the top.
-SEED_SPAN = 2**64
-
-
-def make_request(tokens: list[int], params: SamplingParams, n: int) -> Request:
-    """One engine request; choices 2..n are its forks (seeded ones with seeds s+1, s+2, ...).
-
-    >>> r = make_request([1, 2], SamplingParams(seed=7), 3)
-    >>> [f.params.seed for f in r.forks], r.forks[0].fork_of == r.request_id
-    ([8, 9], True)
-    """
-    leader = Request(prompt_tokens=tokens, params=params)
-    for i in range(1, n):
-        seed = None if params.seed is None else (params.seed + i) % SEED_SPAN
-        fork_params = dataclasses.replace(params, seed=seed)
-        leader.forks.append(Request(prompt_tokens=tokens, params=fork_params, fork_of=leader.request_id))
-    return leader
-
-
 async def _generate(engine: Engine, body: SamplingFields, tokens: list[int], shape: Shape,
                     http_request: HTTPRequest, prefix: str = "", grammar: Grammar | None = None):
-    params = sampling_params(body, len(tokens), engine.model.info.context_length, engine.config,
-                             engine.model.info.vocab_size, grammar)
-    request = make_request(tokens, params, body.n)
-    members = [request, *request.forks]
-    stream = EventStream([r.request_id for r in members])
-    try:
-        engine.submit(request, stream.sink)
-    except QueueFull:
-        raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
-                       headers={"Retry-After": "1"}) from None
-
-    def abort() -> None:
-        for member in members:
-            engine.abort(member.request_id)
-
-    gate: Gate = http_request.app.state.gate
-    handle = gate.track(abort)  # a drain that runs out of time aborts what is left
+    job = submit(engine, body, tokens, http_request, grammar)
     if body.stream:
-        events = _untracked_after(sse_events(shape, stream, body.include_usage, abort, prefix,
-                                             http_request.app.state.sse_keepalive_s), gate, handle)
-        return StreamingResponse(events, media_type="text/event-stream",
+        events = sse_events(shape, job.stream, body.include_usage, job.abort, prefix,
+                            http_request.app.state.sse_keepalive_s)
+        return StreamingResponse(job.closing(events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
-        return JSONResponse(await collect(shape, stream, http_request, prefix))
+        return JSONResponse(await collect(shape, job.stream, http_request, prefix))
     except ClientGone:
         return error_response(400, "client disconnected")
     except EngineFailed as exc:  # the engine failed on this request, or it waited too long
         return JSONResponse(exc.body, status_code=exc.status)
     finally:
-        gate.untrack(handle)
-        if not stream.finished:  # disconnected or cancelled: free the engine's work
-            abort()
-
-
-async def _untracked_after(events: AsyncIterator[str], gate: Gate, handle: int) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield event
-    finally:
-        gate.untrack(handle)
+        job.close()

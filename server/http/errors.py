@@ -11,6 +11,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Callable
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -86,27 +88,42 @@ def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# Another API dialect served under a path prefix shapes its own errors: prefix -> function
+# (status, message, param) -> body, and the JSON schema of that body for /openapi.json
+# (the guard uses them too). OpenAI's shape everywhere else.
+ERROR_SHAPES: dict[str, Callable[[int, str, str | None], dict]] = {}
+ERROR_SCHEMAS: dict[str, dict] = {}
+
+
+def _respond(request: Request, status: int, message: str, *, param: str | None = None,
+             code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    for prefix, shape in ERROR_SHAPES.items():
+        if request.url.path.startswith(prefix):
+            return JSONResponse(shape(status, message, param), status_code=status, headers=headers)
+    return error_response(status, message, param=param, code=code, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code,
-                              headers=exc.headers)
+    async def _api_error(request: Request, exc: APIError):
+        return _respond(request, exc.status, exc.message, param=exc.param, code=exc.code,
+                        headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         message, param = _describe_validation(exc)
-        return error_response(400, message, param=param, code="invalid_value")
+        return _respond(request, 400, message, param=param, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = "unknown route"
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return _respond(request, exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception):  # logged by the server; the client gets the shape
-        return error_response(500, "internal server error")
+    async def _bug(request: Request, exc: Exception):  # logged by the server; the client gets the shape
+        return _respond(request, 500, "internal server error")
 
 
 _ERROR_SCHEMA = {
@@ -143,8 +160,10 @@ def document_errors(app: FastAPI) -> None:
         for unused in ("HTTPValidationError", "ValidationError"):
             components.pop(unused, None)
         components["ErrorResponse"] = _ERROR_SCHEMA
-        ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-        for path in schema.get("paths", {}).values():
+        openai_ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for url, path in schema.get("paths", {}).items():
+            prefix = next((p for p in ERROR_SCHEMAS if url.startswith(p)), None)
+            ref = openai_ref if prefix is None else {"application/json": {"schema": ERROR_SCHEMAS[prefix]}}
             for method, operation in path.items():
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)

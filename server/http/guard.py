@@ -1,8 +1,10 @@
 """The ASGI layer in front of the routes: authentication, body limits, strict JSON, draining.
 
-Everything here answers before FastAPI parses anything, in the OpenAI error shape:
+Everything here answers before FastAPI parses anything, in the error shape of the API the
+path belongs to (OpenAI's, or Anthropic's under /v1/messages):
 
-- 401 ``invalid_api_key`` without ``Authorization: Bearer <key>`` when a key is configured
+- 401 ``invalid_api_key`` without ``Authorization: Bearer <key>`` (or Anthropic's
+  ``x-api-key: <key>``) when a key is configured
   (every route but ``GET /health`` and CORS preflights; compared in constant time, on the raw
   ASGI path the router also uses, so no rebuilt URL or Host header can route around it);
 - 431 ``headers_too_large`` for a request line and headers over the limit (the HTTP parser
@@ -29,7 +31,7 @@ import json
 import threading
 from typing import Any, Awaitable, Callable
 
-from kvserve.server.http.errors import error_body
+from kvserve.server.http.errors import ERROR_SHAPES, error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -157,9 +159,21 @@ def bearer_matches(authorization: bytes | None, key: bytes) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
 
 
-async def send_error(send: Send, status: int, message: str, *, code: str | None = None,
+def key_matches(header: bytes | None, key: bytes) -> bool:
+    """Constant-time check of Anthropic's ``x-api-key: <key>`` header.
+
+    >>> key_matches(b"sk-12345678", b"sk-12345678"), key_matches(None, b"sk-12345678")
+    (True, False)
+    """
+    return bool(header) and hmac.compare_digest(header.strip(), key)
+
+
+async def send_error(send: Send, path: str, status: int, message: str, *, code: str | None = None,
                      headers: dict[str, str] | None = None) -> None:
-    payload = json.dumps(error_body(message, status=status, code=code)).encode()
+    """The error in the shape of the API ``path`` belongs to (``ERROR_SHAPES``), else OpenAI's."""
+    shape = next((f for prefix, f in ERROR_SHAPES.items() if path.startswith(prefix)), None)
+    body = shape(status, message, None) if shape else error_body(message, status=status, code=code)
+    payload = json.dumps(body).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -180,16 +194,17 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         method, path = scope["method"], scope["path"]
         if _head_size(scope) > self.max_header_bytes:
-            return await send_error(send, 431, f"request headers exceed {self.max_header_bytes} bytes",
+            return await send_error(send, scope["path"], 431, f"request headers exceed {self.max_header_bytes} bytes",
                                     code="headers_too_large", headers={"Connection": "close"})
         public = path in PUBLIC_PATHS and method in ("GET", "HEAD")
         # OPTIONS is a browser's CORS preflight, which never carries credentials.
         if self.key is not None and not public and method != "OPTIONS" \
-                and not bearer_matches(_header(scope, b"authorization"), self.key):
-            return await send_error(send, 401, "missing or invalid API key (Authorization: Bearer ...)",
+                and not bearer_matches(_header(scope, b"authorization"), self.key) \
+                and not key_matches(_header(scope, b"x-api-key"), self.key):
+            return await send_error(send, scope["path"], 401, "missing or invalid API key (Authorization: Bearer ...)",
                                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if not self.gate.admits(method):
-            return await send_error(send, 503, "the server is shutting down", code="server_draining",
+            return await send_error(send, scope["path"], 503, "the server is shutting down", code="server_draining",
                                     headers={"Retry-After": "5", "Connection": "close"})
         if method not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
@@ -199,7 +214,7 @@ class GuardMiddleware:
         if body:  # an empty body is left to the route: FastAPI names the missing field
             problem = check_json(body)
             if problem is not None:
-                return await send_error(send, 400, problem, code="invalid_json")
+                return await send_error(send, scope["path"], 400, problem, code="invalid_json")
             # The body is a JSON object whatever the client labelled it (curl's -d says
             # form-urlencoded); tell FastAPI so, rather than refuse a valid request.
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
@@ -211,7 +226,7 @@ class GuardMiddleware:
         declared = _header(scope, b"content-length")
         too_large = f"request body exceeds {self.max_body_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await send_error(send, 413, too_large, code="body_too_large", headers={"Connection": "close"})
+            await send_error(send, scope["path"], 413, too_large, code="body_too_large", headers={"Connection": "close"})
             return None
         chunks, size = [], 0
         while True:
@@ -221,7 +236,7 @@ class GuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await send_error(send, 413, too_large, code="body_too_large",
+                await send_error(send, scope["path"], 413, too_large, code="body_too_large",
                                  headers={"Connection": "close"})
                 return None
             chunks.append(chunk)

@@ -1,0 +1,190 @@
+"""Engine events shaped as Anthropic messages: one JSON message, or the stream of events
+Anthropic's clients expect, in its order:
+
+    message_start
+    content_block_start / content_block_delta ... / content_block_stop   (per block)
+    message_delta (stop_reason, stop_sequence, usage)
+    message_stop
+
+A reply is split into blocks by the same splitter as OpenAI's chat (``ReplySplitter``):
+reasoning becomes a ``thinking`` block, text a ``text`` block, each tool call a ``tool_use``
+block whose input is streamed as one ``input_json_delta``.
+
+Example:
+    >>> from kvserve.server.engine.request import FinishReason
+    >>> stop_reason(FinishReason.STOP, None, called=True), stop_reason(FinishReason.LENGTH, None, False)
+    ('tool_use', 'max_tokens')
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import AsyncIterator, Callable
+
+from fastapi import Request as HTTPRequest
+
+from kvserve.server.engine.request import FinishReason, TokenEvent, Usage
+from kvserve.server.http.streams import EngineFailed, EventStream, engine_error
+from kvserve.server.http.tools import Call, Piece, ReplySplitter, Text
+
+
+def stop_reason(reason: FinishReason | None, stop: str | None, called: bool) -> str:
+    if reason is FinishReason.LENGTH:
+        return "max_tokens"
+    if stop is not None:
+        return "stop_sequence"
+    return "tool_use" if called else "end_turn"
+
+
+def usage_json(usage: Usage | None, prompt_tokens: int) -> dict:
+    """Anthropic counts cached prompt tokens apart: ``input_tokens`` are the others."""
+    if usage is None:
+        return {"input_tokens": prompt_tokens, "output_tokens": 0,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
+
+
+def block_json(piece: Piece) -> dict:
+    if isinstance(piece, Call):
+        return {"type": "tool_use", "id": tool_use_id(piece), "name": piece.name, "input": json.loads(piece.arguments)}
+    if piece.reasoning:
+        return {"type": "thinking", "thinking": piece.text, "signature": ""}
+    return {"type": "text", "text": piece.text}
+
+
+def tool_use_id(call: Call) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def new_message(model: str, prompt_tokens: int) -> dict:
+    return {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": model,
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage_json(None, prompt_tokens)}
+
+
+async def collect_message(stream: EventStream, http_request: HTTPRequest, splitter: ReplySplitter,
+                          model: str, prompt_tokens: int) -> dict:
+    """Wait for the reply and build the message (``EngineFailed`` if the engine failed)."""
+    pieces: list[Piece] = []
+    while not stream.finished:
+        event = await stream.next(http_request)
+        if event.error:
+            raise EngineFailed(*engine_error(event))
+        pieces += splitter.feed(event.text)
+        if event.finish_reason is not None:
+            last = event
+    pieces = _joined(pieces + splitter.finish())
+    message = new_message(model, prompt_tokens)
+    message["content"] = [block_json(p) for p in pieces]
+    message["stop_reason"] = stop_reason(last.finish_reason, last.stop, splitter.calls > 0)
+    message["stop_sequence"] = last.stop
+    message["usage"] = usage_json(last.usage, prompt_tokens)
+    return message
+
+
+def _joined(pieces: list[Piece]) -> list[Piece]:
+    out: list[Piece] = []
+    for p in pieces:
+        if isinstance(p, Text) and out and isinstance(out[-1], Text) and out[-1].reasoning == p.reasoning:
+            out[-1] = Text(out[-1].text + p.text, p.reasoning)
+        else:
+            out.append(p)
+    return out
+
+
+def sse(kind: str, payload: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+
+
+class _Blocks:
+    """Which content block is open, so a piece either continues it or starts the next."""
+
+    def __init__(self) -> None:
+        self.index, self.open = -1, None  # open: "text" | "thinking" | None
+
+    def add(self, piece: Piece) -> list[str]:
+        out: list[str] = []
+        kind = "tool_use" if isinstance(piece, Call) else ("thinking" if piece.reasoning else "text")
+        if kind != self.open or kind == "tool_use":
+            out += self.close()
+            self.index += 1
+            start = block_json(piece) if kind == "tool_use" else {"type": kind, kind: ""}
+            if kind == "tool_use":
+                start = {**start, "input": {}}
+            elif kind == "thinking":
+                start["signature"] = ""
+            out.append(sse("content_block_start", {"index": self.index, "content_block": start}))
+            self.open = kind
+        if kind == "tool_use":
+            delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+        elif kind == "thinking":
+            delta = {"type": "thinking_delta", "thinking": piece.text}
+        else:
+            delta = {"type": "text_delta", "text": piece.text}
+        out.append(sse("content_block_delta", {"index": self.index, "delta": delta}))
+        return out
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        out = []
+        if self.open == "thinking":
+            out.append(sse("content_block_delta", {"index": self.index, "delta": {"type": "signature_delta", "signature": ""}}))
+        self.open = None
+        return out + [sse("content_block_stop", {"index": self.index})]
+
+
+async def message_events(stream: EventStream, splitter: ReplySplitter, model: str, prompt_tokens: int,
+                         on_close: Callable[[], None], keepalive_s: float | None) -> AsyncIterator[str]:
+    """The SSE events of one streamed message; ``ping`` events while nothing else is sent."""
+    blocks = _Blocks()
+    try:
+        yield sse("message_start", {"message": new_message(model, prompt_tokens)})
+        while not stream.finished:
+            event = await stream.next(idle_s=keepalive_s)
+            if event is None:
+                yield sse("ping", {})
+                continue
+            if event.error:
+                status, body = engine_error(event)
+                yield sse("error", {"error": {"type": error_type(status), "message": body["error"]["message"]}})
+                return
+            for out in _event_blocks(blocks, splitter, event):
+                yield out
+            if event.finish_reason is not None:
+                yield sse("message_delta", {
+                    "delta": {"stop_reason": stop_reason(event.finish_reason, event.stop, splitter.calls > 0),
+                              "stop_sequence": event.stop},
+                    "usage": usage_json(event.usage, prompt_tokens)})
+                yield sse("message_stop", {})
+    finally:
+        if not stream.finished:
+            on_close()
+
+
+def _event_blocks(blocks: _Blocks, splitter: ReplySplitter, event: TokenEvent) -> list[str]:
+    pieces = splitter.feed(event.text)
+    if event.finish_reason is not None:
+        pieces += splitter.finish()
+    out = [line for p in pieces if not (isinstance(p, Text) and not p.text) for line in blocks.add(p)]
+    return out + (blocks.close() if event.finish_reason is not None else [])
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def error_json(status: int, message: str) -> dict:
+    """Anthropic's error body.
+
+    >>> error_json(404, "no such model")["error"]["type"]
+    'not_found_error'
+    """
+    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+

@@ -1,0 +1,77 @@
+"""Anthropic's Messages API on the same engine as OpenAI's routes: ``POST /v1/messages``
+(JSON or streamed events) and ``POST /v1/messages/count_tokens``. Errors on these paths
+take Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
+
+``usage.cache_read_input_tokens`` is the part of the prompt the prefix cache served.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.server.engine.loop import Engine
+from kvserve.server.http.anthropic.convert import chat_input, sampling_fields
+from kvserve.server.http.anthropic.replies import collect_message, error_json, message_events
+from kvserve.server.http.anthropic.schemas import CountTokensRequest, MessagesRequest
+from kvserve.server.http.chat import check_grammar, prepare_chat
+from kvserve.server.http.errors import ERROR_SCHEMAS, ERROR_SHAPES
+from kvserve.server.http.streams import ClientGone, EngineFailed
+from kvserve.server.http.submit import submit
+from kvserve.server.http.tools import ReplySplitter
+
+PREFIX = "/v1/messages"
+ERROR_SCHEMA = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
+
+
+def install_anthropic_routes(app: FastAPI, engine: Engine, check_model) -> None:
+    """``check_model(requested, served)`` raises the 404 for a model not served here."""
+    model = engine.model
+    ERROR_SHAPES[PREFIX] = lambda status, message, param: error_json(status, _with_param(message, param))
+    ERROR_SCHEMAS[PREFIX] = ERROR_SCHEMA
+
+    @app.post(PREFIX)
+    async def messages(body: MessagesRequest, http_request: HTTPRequest):
+        check_model(body.model, model.info.model_id)
+        chat = prepare_chat(chat_input(body), model.tokenizer)
+        await check_grammar(model.grammars, chat.grammar, "tool_choice")
+        splitter = chat.splitter() if chat.splitter is not None else ReplySplitter(None)
+        job = submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar)
+        name, prompt = model.info.model_id, len(chat.tokens)
+        if body.stream:
+            events = message_events(job.stream, splitter, name, prompt, job.abort,
+                                    http_request.app.state.sse_keepalive_s)
+            return StreamingResponse(job.closing(events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            return JSONResponse(await collect_message(job.stream, http_request, splitter, name, prompt))
+        except ClientGone:
+            return JSONResponse(error_json(400, "client disconnected"), status_code=400)
+        except EngineFailed as exc:
+            return JSONResponse(error_json(exc.status, exc.body["error"]["message"]), status_code=exc.status)
+        finally:
+            job.close()
+
+    @app.post(f"{PREFIX}/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        check_model(body.model, model.info.model_id)
+        chat = prepare_chat(chat_input(body), model.tokenizer)
+        return {"input_tokens": len(chat.tokens)}
+
+
+def _with_param(message: str, param: str | None) -> str:
+    """Anthropic's errors have no ``param`` field: the message names it instead.
+
+    >>> _with_param("Field required", "max_tokens"), _with_param("unknown route", None)
+    ('max_tokens: Field required', 'unknown route')
+    """
+    if not param or message.startswith(param) or f"({param})" in message:
+        return message
+    return f"{param}: {message}"
+
