@@ -5,6 +5,7 @@ default, temperature 1, applies; greedy requests pass temperature through extra_
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -36,20 +37,36 @@ def server(default_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    return anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
 
 
 def test_a_greedy_message_equals_the_openai_chat_reply(server, client):
+    question = "Name a large city."
     message = client.messages.create(model="default", max_tokens=24, system="Be brief.",
-                                     messages=[{"role": "user", "content": "Name a large city."}], **GREEDY)
-    chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused").chat.completions.create(
+                                     messages=[{"role": "user", "content": question}], **GREEDY)
+    chat = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x").chat.completions.create(
         model="default", max_tokens=24, temperature=0,
-        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a large city."}])
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}])
     (block,) = message.content
     assert block.type == "text" and block.text == chat.choices[0].message.content
     assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
+    assert message.stop_sequence is None
     assert message.usage.output_tokens == chat.usage.completion_tokens
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert message.usage.cache_creation_input_tokens == 0
     assert message.id.startswith("msg_") and message.role == "assistant" and message.type == "message"
+    assert message.model == httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+
+
+def sse_kinds(server, body: dict) -> tuple[list[str], list[dict]]:
+    """The event names of a raw streamed reply (pings left out) and their data."""
+    with httpx.stream("POST", f"{server.base_url}/v1/messages", json=body, timeout=120) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = list(response.iter_lines())
+    kinds = [line[7:] for line in lines if line.startswith("event: ")]
+    data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert len(kinds) == len(data) and [d["type"] for d in data] == kinds  # each event names itself
+    return [k for k in kinds if k != "ping"], [d for d in data if d["type"] != "ping"]
 
 
 def test_the_stream_assembles_the_same_message_in_anthropics_event_order(server, client):
@@ -58,58 +75,84 @@ def test_the_stream_assembles_the_same_message_in_anthropics_event_order(server,
     with client.messages.stream(**kwargs, **GREEDY) as stream:
         streamed = stream.get_final_message()
     assert [b.text for b in streamed.content] == [b.text for b in whole.content]
-    assert streamed.stop_reason == whole.stop_reason
-    body = {**kwargs, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{server.base_url}/v1/messages", json=body, timeout=60) as response:
-        kinds = [line[7:] for line in response.iter_lines() if line.startswith("event: ")]
+    assert (streamed.stop_reason, streamed.usage.output_tokens) == (whole.stop_reason, whole.usage.output_tokens)
+    kinds, data = sse_kinds(server, {**kwargs, "temperature": 0, "stream": True})
     deltas = kinds.count("content_block_delta")
-    assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * deltas,
-                     "content_block_stop", "message_delta", "message_stop"] and deltas >= 1
+    assert deltas >= 1 and kinds == ["message_start", "content_block_start", *["content_block_delta"] * deltas,
+                                     "content_block_stop", "message_delta", "message_stop"]
+    start = data[0]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0
+    assert data[1]["content_block"] == {"type": "text", "text": ""}
+    assert "".join(d["delta"]["text"] for d in data[2:-3]) == whole.content[0].text
+    assert data[-2]["delta"] == {"stop_reason": whole.stop_reason, "stop_sequence": None}
 
 
-def forced(client, stream: bool = False):
-    kwargs = dict(model="default", max_tokens=120, messages=ASK, tools=TOOLS, tool_choice=FORCE)
+def forced(client, stream: bool = False, max_tokens: int = 120):
+    kwargs = dict(model="default", max_tokens=max_tokens, messages=ASK, tools=TOOLS, tool_choice=FORCE)
     if not stream:
-        return client.messages.create(**kwargs)
+        return client.messages.create(**kwargs)  # temperature 1
     with client.messages.stream(**kwargs) as s:
         return s.get_final_message()
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
-def test_a_forced_tool_always_gives_input_that_validates(client, stream):
-    messages = together([lambda: forced(client, stream) for _ in range(12)])  # temperature 1
-    for message in messages:
-        assert message.stop_reason == "tool_use", message.model_dump_json()
-        (block,) = [b for b in message.content if b.type == "tool_use"]
-        assert block.name == "get_weather" and block.id.startswith("toolu_")
-        jsonschema.validate(block.input, WEATHER)
+def check_call(message) -> None:
+    assert message.stop_reason == "tool_use" and message.stop_sequence is None
+    (block,) = message.content
+    assert block.type == "tool_use" and block.name == "get_weather" and block.id.startswith("toolu_")
+    jsonschema.validate(block.input, WEATHER)
+
+
+@pytest.mark.parametrize("stream, count", [(False, 20), (True, 6)], ids=["create", "stream"])
+def test_a_forced_tool_always_gives_input_that_validates(client, stream, count):
+    for message in together([lambda: forced(client, stream) for _ in range(count)]):
+        check_call(message)
+
+
+def test_a_streamed_tool_call_is_one_tool_use_block_with_its_input_in_one_delta(server):
+    body = {"model": "default", "max_tokens": 120, "messages": ASK, "tools": TOOLS, "tool_choice": FORCE,
+            "stream": True}
+    kinds, data = sse_kinds(server, body)
+    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]
+    block, delta = data[1]["content_block"], data[2]["delta"]
+    assert block["type"] == "tool_use" and block["input"] == {} and block["name"] == "get_weather"
+    assert delta["type"] == "input_json_delta"
+    jsonschema.validate(json.loads(delta["partial_json"]), WEATHER)
+    assert data[-2]["delta"]["stop_reason"] == "tool_use"
 
 
 def test_a_tool_result_round_trip_is_answered_and_reuses_the_cached_turn(client):
     first = forced(client)
     call = next(b for b in first.content if b.type == "tool_use")
     history = [*ASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 C, sunny"}]}]
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                             "content": [{"type": "text", "text": "18 C, sunny"}]}]}]
     second = client.messages.create(model="default", max_tokens=24, messages=history, tools=TOOLS, **GREEDY)
     assert second.stop_reason in ("end_turn", "max_tokens") and second.content[0].type == "text"
+    assert second.content[0].text.strip()
     total_first = first.usage.input_tokens + first.usage.cache_read_input_tokens
     assert second.usage.cache_read_input_tokens > total_first  # the first prompt and part of the call
 
 
-def test_count_tokens_equals_the_prompt_a_message_reports(client):
-    kwargs = dict(model="default", system="Be brief.", messages=ASK, tools=TOOLS)
+def test_count_tokens_equals_the_prompt_of_the_same_request_and_a_repeat_reads_the_cache(client):
+    # As Anthropic counts, input_tokens leaves out the prompt tokens read from the cache.
+    kwargs = dict(model="default", system="You forecast weather tersely.", messages=ASK, tools=TOOLS)
     counted = client.messages.count_tokens(**kwargs).input_tokens
-    usage = client.messages.create(max_tokens=4, **kwargs, **GREEDY).usage
-    assert counted == usage.input_tokens + usage.cache_read_input_tokens
+    first = client.messages.create(max_tokens=4, **kwargs, **GREEDY).usage
+    assert first.input_tokens + first.cache_read_input_tokens == counted
+    assert first.input_tokens > counted // 2  # only the template's opening can have been cached
     again = client.messages.create(max_tokens=4, **kwargs, **GREEDY).usage
-    assert again.cache_read_input_tokens >= counted - 1
+    assert again.input_tokens + again.cache_read_input_tokens == counted
+    assert again.cache_read_input_tokens == counted - 1  # all of it: the last token is always computed
+    assert client.messages.count_tokens(model="default", messages=ASK).input_tokens < counted  # tools count
 
 
 def test_a_stop_sequence_is_reported(client):
-    message = client.messages.create(model="default", max_tokens=40, stop_sequences=[" ", "\n"],
-                                     messages=[{"role": "user", "content": "Write a sentence about the sea."}], **GREEDY)
-    assert message.stop_reason == "stop_sequence" and message.stop_sequence in (" ", "\n")
-    assert " " not in message.content[0].text if message.content else True
+    message = client.messages.create(model="default", max_tokens=40, stop_sequences=["zzz", " "],
+                                     messages=[{"role": "user", "content": "Write a sentence about the sea."}],
+                                     **GREEDY)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", " ")
+    assert all(" " not in b.text for b in message.content)
 
 
 def test_output_config_json_schema_validates(client):
@@ -118,32 +161,81 @@ def test_output_config_json_schema_validates(client):
               "required": ["name", "legs"], "additionalProperties": False}
     messages = together([lambda: client.messages.create(
         model="default", max_tokens=60, messages=[{"role": "user", "content": "An animal, as JSON."}],
-        output_config={"format": {"type": "json_schema", "schema": schema}}) for _ in range(6)])
+        output_config={"format": {"type": "json_schema", "schema": schema}}) for _ in range(4)])
     for message in messages:
         assert message.stop_reason == "end_turn"
         jsonschema.validate(json.loads(message.content[0].text), schema)
 
 
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+
+
 @pytest.mark.parametrize("body, status, needle", [
     ({"messages": ASK}, 400, "max_tokens"),
-    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
-     "'image' are not supported"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [IMAGE]}]}, 400, "'image' are not supported"),
     ({"max_tokens": 4, "messages": ASK, "model": "other"}, 404, "not served here"),
     ({"max_tokens": 4, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "x"}}, 400,
      "not among the tools"),
     ({"max_tokens": 4, "messages": ASK, "container": "c1"}, 400, "container"),
+    ({"max_tokens": 4, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
+    ({"max_tokens": 4, "messages": ASK, "temperature": 1.5}, 400, "temperature"),
 ])
 def test_errors_take_anthropics_shape(server, body, status, needle):
     reply = httpx.post(f"{server.base_url}/v1/messages", json={"model": "default", **body}, timeout=60)
     assert reply.status_code == status, reply.text
-    error = reply.json()
-    assert error["type"] == "error" and needle in error["error"]["message"]
-    assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert reply.json() == {"type": "error", "error": {
+        "type": "not_found_error" if status == 404 else "invalid_request_error",
+        "message": reply.json()["error"]["message"]}}
+    assert needle in reply.json()["error"]["message"]
+
+
+def test_openai_paths_keep_their_error_shape(server):
+    reply = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": "other", "messages": ASK})
+    assert reply.status_code == 404 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_the_client_raises_its_typed_errors(client):
-    with pytest.raises(anthropic.NotFoundError):
+    with pytest.raises(anthropic.BadRequestError) as missing:  # the typed client always sends max_tokens
+        client.post("/v1/messages", body={"model": "default", "messages": ASK}, cast_to=object)
+    assert missing.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in missing.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as unknown:
         client.messages.create(model="other", max_tokens=4, messages=ASK)
-    with pytest.raises(anthropic.BadRequestError):
+    assert unknown.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        client.messages.create(model="default", max_tokens=4, messages=[{"role": "user", "content": [IMAGE]}])
+    with pytest.raises(anthropic.BadRequestError, match="tool_result"):
         client.messages.create(model="default", max_tokens=4, messages=[{"role": "assistant", "content": [
             {"type": "tool_result", "tool_use_id": "x", "content": "y"}]}])
+
+
+KEY = "sk-test-0123456789"
+
+
+def stub_http(api_key: str):
+    """The app on an engine stub (no model): enough to reach the guard and the model check."""
+    from fastapi.testclient import TestClient
+
+    from kvserve.configs import HTTPConfig
+    from kvserve.server.http.app import create_app
+
+    info = SimpleNamespace(model_id="stub", context_length=64, weight_format="-", blas="-", kv_scheme="fp16",
+                           vocab_size=100)
+    engine = SimpleNamespace(model=SimpleNamespace(info=info, tokenizer=None), inflight=0,
+                             config=SimpleNamespace(max_tokens=8, max_tokens_limit=16, max_batch_size=8),
+                             metrics=SimpleNamespace(render=lambda: ""), health=lambda: (True, "ok"))
+    return TestClient(create_app(engine, HTTPConfig(api_key=api_key)), raise_server_exceptions=False)
+
+
+def test_the_client_authenticates_with_x_api_key():
+    http = stub_http(KEY)
+    keyed = anthropic.Anthropic(base_url="http://testserver", api_key=KEY, http_client=http, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError):  # past the guard: the stub serves another model
+        keyed.messages.create(model="other", max_tokens=4, messages=ASK)
+    wrong = anthropic.Anthropic(base_url="http://testserver", api_key=KEY + "x", http_client=http, max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as denied:
+        wrong.messages.create(model="stub", max_tokens=4, messages=ASK)
+    assert denied.value.body == {"type": "error", "error": {
+        "type": "authentication_error", "message": "missing or invalid API key (Authorization: Bearer ...)"}}
+    assert http.get("/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    assert http.get("/v1/models").json()["error"]["code"] == "invalid_api_key"  # OpenAI's shape elsewhere

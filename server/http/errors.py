@@ -95,11 +95,16 @@ ERROR_SHAPES: dict[str, Callable[[int, str, str | None], dict]] = {}
 ERROR_SCHEMAS: dict[str, dict] = {}
 
 
+def dialect_error(path: str) -> Callable[[int, str, str | None], dict] | None:
+    """The error shape of the API dialect ``path`` belongs to; None: OpenAI's."""
+    return next((shape for prefix, shape in ERROR_SHAPES.items() if path.startswith(prefix)), None)
+
+
 def _respond(request: Request, status: int, message: str, *, param: str | None = None,
              code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    for prefix, shape in ERROR_SHAPES.items():
-        if request.url.path.startswith(prefix):
-            return JSONResponse(shape(status, message, param), status_code=status, headers=headers)
+    shape = dialect_error(request.url.path)
+    if shape is not None:
+        return JSONResponse(shape(status, message, param), status_code=status, headers=headers)
     return error_response(status, message, param=param, code=code, headers=headers)
 
 

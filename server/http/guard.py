@@ -31,7 +31,7 @@ import json
 import threading
 from typing import Any, Awaitable, Callable
 
-from kvserve.server.http.errors import ERROR_SHAPES, error_body
+from kvserve.server.http.errors import dialect_error, error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -170,8 +170,8 @@ def key_matches(header: bytes | None, key: bytes) -> bool:
 
 async def send_error(send: Send, path: str, status: int, message: str, *, code: str | None = None,
                      headers: dict[str, str] | None = None) -> None:
-    """The error in the shape of the API ``path`` belongs to (``ERROR_SHAPES``), else OpenAI's."""
-    shape = next((f for prefix, f in ERROR_SHAPES.items() if path.startswith(prefix)), None)
+    """The error in the shape of the API dialect ``path`` belongs to (OpenAI's by default)."""
+    shape = dialect_error(path)
     body = shape(status, message, None) if shape else error_body(message, status=status, code=code)
     payload = json.dumps(body).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
@@ -194,17 +194,17 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         method, path = scope["method"], scope["path"]
         if _head_size(scope) > self.max_header_bytes:
-            return await send_error(send, scope["path"], 431, f"request headers exceed {self.max_header_bytes} bytes",
+            return await send_error(send, path, 431, f"request headers exceed {self.max_header_bytes} bytes",
                                     code="headers_too_large", headers={"Connection": "close"})
         public = path in PUBLIC_PATHS and method in ("GET", "HEAD")
         # OPTIONS is a browser's CORS preflight, which never carries credentials.
         if self.key is not None and not public and method != "OPTIONS" \
                 and not bearer_matches(_header(scope, b"authorization"), self.key) \
                 and not key_matches(_header(scope, b"x-api-key"), self.key):
-            return await send_error(send, scope["path"], 401, "missing or invalid API key (Authorization: Bearer ...)",
+            return await send_error(send, path, 401, "missing or invalid API key (Authorization: Bearer ...)",
                                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if not self.gate.admits(method):
-            return await send_error(send, scope["path"], 503, "the server is shutting down", code="server_draining",
+            return await send_error(send, path, 503, "the server is shutting down", code="server_draining",
                                     headers={"Retry-After": "5", "Connection": "close"})
         if method not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
@@ -214,7 +214,7 @@ class GuardMiddleware:
         if body:  # an empty body is left to the route: FastAPI names the missing field
             problem = check_json(body)
             if problem is not None:
-                return await send_error(send, scope["path"], 400, problem, code="invalid_json")
+                return await send_error(send, path, 400, problem, code="invalid_json")
             # The body is a JSON object whatever the client labelled it (curl's -d says
             # form-urlencoded); tell FastAPI so, rather than refuse a valid request.
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
@@ -226,7 +226,8 @@ class GuardMiddleware:
         declared = _header(scope, b"content-length")
         too_large = f"request body exceeds {self.max_body_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await send_error(send, scope["path"], 413, too_large, code="body_too_large", headers={"Connection": "close"})
+            await send_error(send, scope["path"], 413, too_large, code="body_too_large",
+                             headers={"Connection": "close"})
             return None
         chunks, size = [], 0
         while True:

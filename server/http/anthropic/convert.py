@@ -9,7 +9,8 @@ Example:
     >>> from kvserve.server.http.anthropic.schemas import MessagesRequest
     >>> body = MessagesRequest(model="m", max_tokens=8, system="Be brief.", messages=[
     ...     {"role": "user", "content": "Weather?"},
-    ...     {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "P"}}]},
+    ...     {"role": "assistant", "content": [
+    ...         {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "P"}}]},
     ...     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18 C"}]}])
     >>> [m["role"] for m in chat_messages(body)]
     ['system', 'user', 'assistant', 'tool']
@@ -56,8 +57,10 @@ def _message(role: str, content) -> list[dict]:
         calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
                  for b in content if b.type == "tool_use"]
         return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+    # A failed call's result says so: templates have no field for it.
     results = [{"role": "tool", "tool_call_id": b.tool_use_id,
-                "content": ("Error: " if b.is_error else "") + b.text()} for b in content if b.type == "tool_result"]
+                "content": ("Error: " if b.is_error else "") + b.text()}
+               for b in content if b.type == "tool_result"]
     return results + ([{"role": "user", "content": text}] if text or not results else [])
 
 

@@ -42,16 +42,43 @@ def usage_json(usage: Usage | None, prompt_tokens: int) -> dict:
     if usage is None:
         return {"input_tokens": prompt_tokens, "output_tokens": 0,
                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "output_tokens": usage.completion_tokens,
+            "cache_creation_input_tokens": 0,  # the prefix cache writes for free
+            "cache_read_input_tokens": usage.cached_tokens}
 
 
 def block_json(piece: Piece) -> dict:
+    """A piece as its content block.
+
+    >>> block_json(Call("w", '{"city": "Paris"}', "call_1"))
+    {'type': 'tool_use', 'id': 'toolu_1', 'name': 'w', 'input': {'city': 'Paris'}}
+    >>> block_json(Text("hm", reasoning=True))
+    {'type': 'thinking', 'thinking': 'hm', 'signature': ''}
+    """
     if isinstance(piece, Call):
-        return {"type": "tool_use", "id": tool_use_id(piece), "name": piece.name, "input": json.loads(piece.arguments)}
+        return {"type": "tool_use", "id": tool_use_id(piece), "name": piece.name,
+                "input": call_input(piece.arguments)}
     if piece.reasoning:
         return {"type": "thinking", "thinking": piece.text, "signature": ""}
     return {"type": "text", "text": piece.text}
+
+
+def call_input(arguments: str) -> dict:
+    """A call's arguments as the object ``input`` must be. Forced calls always parse (the
+    grammar makes them); a free-running model may write a string or a list, kept under
+    ``arguments`` rather than failing the whole reply.
+
+    >>> call_input('{"a": 1}'), call_input(""), call_input("[1]"), call_input("{oops")
+    ({'a': 1}, {}, {'arguments': [1]}, {'arguments': '{oops'})
+    """
+    if not arguments.strip():
+        return {}
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
 
 
 def tool_use_id(call: Call) -> str:
@@ -59,8 +86,9 @@ def tool_use_id(call: Call) -> str:
 
 
 def new_message(model: str, prompt_tokens: int) -> dict:
-    return {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": model,
-            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage_json(None, prompt_tokens)}
+    return {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
+            "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": usage_json(None, prompt_tokens)}
 
 
 async def collect_message(stream: EventStream, http_request: HTTPRequest, splitter: ReplySplitter,
@@ -84,8 +112,15 @@ async def collect_message(stream: EventStream, http_request: HTTPRequest, splitt
 
 
 def _joined(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent text of one kind as one block; no empty text blocks.
+
+    >>> _joined([Text("a"), Text("b"), Text(""), Call("w", "{}"), Text("c", reasoning=True)])
+    [Text(text='ab', reasoning=False), Call(name='w', arguments='{}'), Text(text='c', reasoning=True)]
+    """
     out: list[Piece] = []
     for p in pieces:
+        if isinstance(p, Text) and not p.text:
+            continue
         if isinstance(p, Text) and out and isinstance(out[-1], Text) and out[-1].reasoning == p.reasoning:
             out[-1] = Text(out[-1].text + p.text, p.reasoning)
         else:
@@ -98,46 +133,61 @@ def sse(kind: str, payload: dict) -> str:
 
 
 class _Blocks:
-    """Which content block is open, so a piece either continues it or starts the next."""
+    """Which content block is open, so a piece either continues it or starts the next.
+
+    >>> blocks, kinds = _Blocks(), lambda events: [e.split()[1] for e in events]
+    >>> kinds(blocks.add(Text("Hi"))), kinds(blocks.add(Text("!")))
+    (['content_block_start', 'content_block_delta'], ['content_block_delta'])
+    >>> kinds(blocks.add(Call("w", "{}", "call_1")) + blocks.close())
+    ['content_block_stop', 'content_block_start', 'content_block_delta', 'content_block_stop']
+    """
 
     def __init__(self) -> None:
-        self.index, self.open = -1, None  # open: "text" | "thinking" | None
+        self.index, self.open = -1, None  # open: "text" | "thinking" | "tool_use" | None
 
     def add(self, piece: Piece) -> list[str]:
+        kind = block_json(piece)["type"]
         out: list[str] = []
-        kind = "tool_use" if isinstance(piece, Call) else ("thinking" if piece.reasoning else "text")
-        if kind != self.open or kind == "tool_use":
+        if kind != self.open or kind == "tool_use":  # each call is a block of its own
             out += self.close()
             self.index += 1
-            start = block_json(piece) if kind == "tool_use" else {"type": kind, kind: ""}
-            if kind == "tool_use":
-                start = {**start, "input": {}}
-            elif kind == "thinking":
-                start["signature"] = ""
-            out.append(sse("content_block_start", {"index": self.index, "content_block": start}))
             self.open = kind
-        if kind == "tool_use":
-            delta = {"type": "input_json_delta", "partial_json": piece.arguments}
-        elif kind == "thinking":
-            delta = {"type": "thinking_delta", "thinking": piece.text}
-        else:
-            delta = {"type": "text_delta", "text": piece.text}
-        out.append(sse("content_block_delta", {"index": self.index, "delta": delta}))
+            out.append(sse("content_block_start", {"index": self.index, "content_block": _empty(piece)}))
+        out.append(sse("content_block_delta", {"index": self.index, "delta": _delta(piece)}))
         return out
 
     def close(self) -> list[str]:
         if self.open is None:
             return []
         out = []
-        if self.open == "thinking":
-            out.append(sse("content_block_delta", {"index": self.index, "delta": {"type": "signature_delta", "signature": ""}}))
+        if self.open == "thinking":  # clients expect one before the block ends; kvserve signs nothing
+            delta = {"type": "signature_delta", "signature": ""}
+            out.append(sse("content_block_delta", {"index": self.index, "delta": delta}))
         self.open = None
         return out + [sse("content_block_stop", {"index": self.index})]
 
 
+def _empty(piece: Piece) -> dict:
+    """The block as ``content_block_start`` announces it: everything but what deltas add."""
+    block = block_json(piece)
+    if block["type"] == "tool_use":
+        return {**block, "input": {}}
+    return {**block, block["type"]: ""}
+
+
+def _delta(piece: Piece) -> dict:
+    """A call's input goes whole, as one ``input_json_delta`` (calls are parsed when complete)."""
+    if isinstance(piece, Call):
+        return {"type": "input_json_delta", "partial_json": json.dumps(call_input(piece.arguments))}
+    if piece.reasoning:
+        return {"type": "thinking_delta", "thinking": piece.text}
+    return {"type": "text_delta", "text": piece.text}
+
+
 async def message_events(stream: EventStream, splitter: ReplySplitter, model: str, prompt_tokens: int,
                          on_close: Callable[[], None], keepalive_s: float | None) -> AsyncIterator[str]:
-    """The SSE events of one streamed message; ``ping`` events while nothing else is sent."""
+    """The SSE events of one streamed message; a ``ping`` after every ``keepalive_s`` seconds
+    without one (queued, or in a long prefill), as proxies need traffic and clients skip it."""
     blocks = _Blocks()
     try:
         yield sse("message_start", {"message": new_message(model, prompt_tokens)})
@@ -146,20 +196,19 @@ async def message_events(stream: EventStream, splitter: ReplySplitter, model: st
             if event is None:
                 yield sse("ping", {})
                 continue
-            if event.error:
+            if event.error:  # the status line is long gone: the error travels as an event
                 status, body = engine_error(event)
-                yield sse("error", {"error": {"type": error_type(status), "message": body["error"]["message"]}})
+                yield sse("error", error_json(status, body["error"]["message"]))
                 return
             for out in _event_blocks(blocks, splitter, event):
                 yield out
             if event.finish_reason is not None:
-                yield sse("message_delta", {
-                    "delta": {"stop_reason": stop_reason(event.finish_reason, event.stop, splitter.calls > 0),
-                              "stop_sequence": event.stop},
-                    "usage": usage_json(event.usage, prompt_tokens)})
+                reason = stop_reason(event.finish_reason, event.stop, splitter.calls > 0)
+                yield sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": event.stop},
+                                            "usage": usage_json(event.usage, prompt_tokens)})
                 yield sse("message_stop", {})
     finally:
-        if not stream.finished:
+        if not stream.finished:  # the client left mid-stream: free the engine's work
             on_close()
 
 

@@ -84,7 +84,8 @@ class Message(_Body):
         for block in blocks if isinstance(blocks, list) else ():
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in BLOCK_TYPES:
-                raise ValueError(f"content blocks of type {kind!r} are not supported (only {', '.join(BLOCK_TYPES)})")
+                raise ValueError(f"content blocks of type {kind!r} are not supported "
+                                 f"(only {', '.join(BLOCK_TYPES)})")
         return data
 
     @model_validator(mode="after")
