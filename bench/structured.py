@@ -15,8 +15,10 @@ temperature 1 with a different seed per request, ``--concurrency`` requests in f
 4. Anthropic messages with ``tool_choice`` {"type": "tool"}: the tool_use input validates,
    through ``messages.create`` and through ``messages.stream``.
 
-A request counts as valid only when it finished because the output was complete (not cut
-by max_tokens) and the parsed output validates.
+A request counts as valid only when it finished because the output was complete and the
+parsed output validates; one that ``max_tokens`` cut first (a sampled small model can write a
+long string where the schema sets no length) is counted apart, as is a complete output that
+does not validate (which constrained decoding must make impossible).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import datetime
 import json
 import shlex
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
+import openai
 
 from kvserve.bench.cli import default_model_dir, machine
 from kvserve.bench.targets import Running, Target
@@ -42,7 +46,7 @@ WEATHER = {"type": "object", "properties": {
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "email": {"type": "string", "format": "email"},
+    "email": {"type": "string", "format": "email", "maxLength": 60},
     "languages": {"type": "array", "items": {"type": "string", "enum": ["en", "fr", "de", "es", "ja"]},
                   "minItems": 1, "maxItems": 3},
     "address": {"type": "object", "properties": {"street": {"type": "string", "maxLength": 60},
@@ -50,36 +54,49 @@ PERSON = {"type": "object", "properties": {
                 "required": ["street", "zip"], "additionalProperties": False}},
     "required": ["name", "age", "email", "languages", "address"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "What will the weather be in Paris this week?"}]
+MAX_TOKENS = 200
 
 
-def openai_forced(client, seed: int) -> bool:
+# Each check returns "valid", "cut" (max_tokens ended it first: a sampled model may write a
+# long string) or "invalid" (complete but not matching: what the grammar must rule out).
+
+def openai_forced(client, seed: int) -> str:
     tool = {"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}}
     r = client.chat.completions.create(model="default", messages=ASK, tools=[tool], temperature=1.0, seed=seed,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                       parallel_tool_calls=False, max_tokens=120)
+                                       parallel_tool_calls=False, max_tokens=MAX_TOKENS)
     choice = r.choices[0]
-    return choice.finish_reason == "tool_calls" and _valid(choice.message.tool_calls[0].function.arguments, WEATHER)
+    if choice.finish_reason == "length":
+        return "cut"
+    calls = choice.message.tool_calls or []
+    return _verdict(choice.finish_reason == "tool_calls" and len(calls) == 1 and _valid(calls[0].function.arguments, WEATHER))
 
 
-def openai_schema(client, seed: int) -> bool:
+def openai_schema(client, seed: int) -> str:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    r = client.chat.completions.create(model="default", temperature=1.0, seed=seed, max_tokens=200,
+    r = client.chat.completions.create(model="default", temperature=1.0, seed=seed, max_tokens=MAX_TOKENS,
                                        messages=[{"role": "user", "content": "Invent a person, as JSON."}],
                                        response_format=fmt)
-    return r.choices[0].finish_reason == "stop" and _valid(r.choices[0].message.content, PERSON)
+    if r.choices[0].finish_reason == "length":
+        return "cut"
+    return _verdict(r.choices[0].finish_reason == "stop" and _valid(r.choices[0].message.content, PERSON))
 
 
-def openai_streamed(client, seed: int) -> bool:
+def openai_streamed(client, seed: int) -> str:
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
     with client.chat.completions.stream(model="default", messages=ASK, tools=[tool], temperature=1.0, seed=seed,
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                        parallel_tool_calls=False, max_tokens=120) as stream:
-        final = stream.get_final_completion().choices[0]
-    return final.finish_reason == "tool_calls" and _valid(final.message.tool_calls[0].function.arguments, WEATHER)
+                                        parallel_tool_calls=False, max_tokens=MAX_TOKENS) as stream:
+        try:
+            final = stream.get_final_completion().choices[0]
+        except openai.LengthFinishReasonError:
+            return "cut"
+    calls = final.message.tool_calls or []
+    return _verdict(final.finish_reason == "tool_calls" and len(calls) == 1 and _valid(calls[0].function.arguments, WEATHER))
 
 
-def anthropic_forced(client, seed: int, stream: bool) -> bool:
-    kwargs = dict(model="default", max_tokens=120, messages=ASK,  # the API default: temperature 1
+def anthropic_forced(client, seed: int, stream: bool) -> str:
+    kwargs = dict(model="default", max_tokens=MAX_TOKENS, messages=ASK,  # the API default: temperature 1
                   tools=[{"name": "get_weather", "description": "Forecast", "input_schema": WEATHER}],
                   tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
     if stream:
@@ -87,8 +104,14 @@ def anthropic_forced(client, seed: int, stream: bool) -> bool:
             message = s.get_final_message()
     else:
         message = client.messages.create(**kwargs)
+    if message.stop_reason == "max_tokens":
+        return "cut"
     blocks = [b for b in message.content if b.type == "tool_use"]
-    return message.stop_reason == "tool_use" and len(blocks) >= 1 and _valid(blocks[0].input, WEATHER)
+    return _verdict(message.stop_reason == "tool_use" and len(blocks) == 1 and _valid(blocks[0].input, WEATHER))
+
+
+def _verdict(ok: bool) -> str:
+    return "valid" if ok else "invalid"
 
 
 def _valid(document, schema: dict) -> bool:
@@ -100,9 +123,9 @@ def _valid(document, schema: dict) -> bool:
         return False
 
 
-def count(check, n: int, concurrency: int) -> int:
+def count(check, n: int, concurrency: int) -> Counter:
     with ThreadPoolExecutor(concurrency) as pool:
-        return sum(pool.map(check, range(n)))
+        return Counter(pool.map(check, range(n)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     import anthropic
-    import openai
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     running = Running(Target.parse(f"kvserve:--kv-scheme {args.kv_scheme}"), model_dir)
@@ -135,13 +157,14 @@ def main(argv: list[str] | None = None) -> int:
              f"- model: `{model_dir}`, KV {args.kv_scheme}, temperature 1, a seed per request, "
              f"{args.concurrency} in flight",
              f"- command: `python bench/structured.py {shlex.join(argv)}`", "",
-             "| check | valid |", "|---|---|"]
-    lines += [f"| {name} | {ok} of {args.requests} |" for name, ok in rows]
+             f"- max_tokens {MAX_TOKENS} per request", "",
+             "| check | valid | cut by max_tokens | complete but invalid |", "|---|---|---|---|"]
+    lines += [f"| {name} | {c['valid']} of {args.requests} | {c['cut']} | {c['invalid']} |" for name, c in rows]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:
         Path(args.out).write_text(report)
-    return 0 if all(ok == args.requests for _, ok in rows) else 1
+    return 0 if all(c["valid"] == args.requests for _, c in rows) else 1
 
 
 if __name__ == "__main__":

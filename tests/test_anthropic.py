@@ -77,8 +77,8 @@ def test_the_stream_assembles_the_same_message_in_anthropics_event_order(server,
     assert [b.text for b in streamed.content] == [b.text for b in whole.content]
     assert (streamed.stop_reason, streamed.usage.output_tokens) == (whole.stop_reason, whole.usage.output_tokens)
     kinds, data = sse_kinds(server, {**kwargs, "temperature": 0, "stream": True})
-    deltas = kinds.count("content_block_delta")
-    assert deltas >= 1 and kinds == ["message_start", "content_block_start", *["content_block_delta"] * deltas,
+    deltas = kinds.count("content_block_delta")  # text streams as it is generated, not at the end
+    assert deltas > 2 and kinds == ["message_start", "content_block_start", *["content_block_delta"] * deltas,
                                      "content_block_stop", "message_delta", "message_stop"]
     start = data[0]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0

@@ -115,6 +115,11 @@ def test_think_blocks_become_reasoning_and_an_open_block_continues():
     assert opened.feed("hmm</think>ok") + opened.finish() == [Text("hmm", True), Text("ok")]
 
 
+def test_without_markers_text_goes_out_as_it_comes():
+    splitter = ReplySplitter(None)
+    assert splitter.feed("Hel") == [Text("Hel")] and splitter.feed("lo") == [Text("lo")] and splitter.finish() == []
+
+
 def test_a_call_cut_short_comes_back_as_text():
     fmt = ToolFormat.hermes()
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'

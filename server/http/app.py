@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 
 from kvserve.configs import HTTPConfig
 from kvserve.server.engine.grammar import Grammar
@@ -22,9 +22,10 @@ from kvserve.server.http.chat import ChatInput, check_grammar, prepare_chat
 from kvserve.server.http.errors import APIError, document_errors, error_response, install_error_handlers
 from kvserve.server.http.guard import Gate, GuardMiddleware
 from kvserve.server.http.logprobs import LogprobFormat
+from kvserve.server.http.responses import install_responses_routes
 from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvserve.server.http.streams import ClientGone, EngineFailed, Shape, collect, sse_events
-from kvserve.server.http.submit import submit
+from kvserve.server.http.streams import Shape, collect, sse_events
+from kvserve.server.http.submit import answer, submit
 
 
 def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None = None) -> FastAPI:
@@ -82,6 +83,7 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
         return await _generate(engine, body, tokens, shape, http_request, prefix)
 
     install_anthropic_routes(app, engine, _check_model)
+    install_responses_routes(app, engine, _check_model)
     return app
 
 
@@ -94,7 +96,7 @@ def install_guards(app: FastAPI, http: HTTPConfig, gate: Gate) -> None:
 
         app.add_middleware(OpenAICORSMiddleware, allow_origins=list(http.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
 
 
 def _check_model(requested: str, served: str) -> None:
@@ -127,16 +129,6 @@ def _prompt_tokens(tokenizer: Any, prompt: str | list[int], vocab: int) -> list[
 async def _generate(engine: Engine, body: SamplingFields, tokens: list[int], shape: Shape,
                     http_request: HTTPRequest, prefix: str = "", grammar: Grammar | None = None):
     job = submit(engine, body, tokens, http_request, grammar)
-    if body.stream:
-        events = sse_events(shape, job.stream, body.include_usage, job.abort, prefix,
-                            http_request.app.state.sse_keepalive_s)
-        return StreamingResponse(job.closing(events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    try:
-        return JSONResponse(await collect(shape, job.stream, http_request, prefix))
-    except ClientGone:
-        return error_response(400, "client disconnected")
-    except EngineFailed as exc:  # the engine failed on this request, or it waited too long
-        return JSONResponse(exc.body, status_code=exc.status)
-    finally:
-        job.close()
+    events = (lambda: sse_events(shape, job.stream, body.include_usage, job.abort, prefix,
+                                 http_request.app.state.sse_keepalive_s)) if body.stream else None
+    return await answer(job, http_request, events, lambda: collect(shape, job.stream, http_request, prefix))

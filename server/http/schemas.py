@@ -119,18 +119,27 @@ FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 MAX_TOOLS = 128
 
 
+def parse_arguments(name: str, arguments: str) -> dict:
+    """A past call's arguments (JSON text) as the object templates take.
+
+    >>> parse_arguments("f", '{"x": 1}'), parse_arguments("f", "")
+    ({'x': 1}, {})
+    """
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        raise ValueError(f"arguments of {name!r} are not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"arguments of {name!r} must be a JSON object")
+    return value
+
+
 class FunctionCall(_Body):
     name: FunctionName
     arguments: str  # JSON text
 
     def parsed_arguments(self) -> dict:
-        try:
-            value = json.loads(self.arguments) if self.arguments.strip() else {}
-        except json.JSONDecodeError:
-            raise ValueError(f"arguments of {self.name!r} are not valid JSON") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"arguments of {self.name!r} must be a JSON object")
-        return value
+        return parse_arguments(self.name, self.arguments)
 
 
 class ToolCall(_Body):

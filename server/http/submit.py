@@ -7,28 +7,29 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.configs import EngineConfig
 from kvserve.server.engine.grammar import Grammar
 from kvserve.server.engine.loop import Engine
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.scheduler import QueueFull
-from kvserve.server.http.errors import APIError
+from kvserve.server.http.errors import APIError, error_body
 from kvserve.server.http.guard import Gate
 from kvserve.server.http.schemas import SamplingFields
-from kvserve.server.http.streams import EventStream
+from kvserve.server.http.streams import ClientGone, EngineFailed, EventStream
 
 
 def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits: EngineConfig,
-                    vocab_size: int, grammar: Grammar | None = None) -> SamplingParams:
+                    vocab_size: int, grammar: Grammar | None = None, prompt_param: str | None = None) -> SamplingParams:
     """Validate lengths and token ids against the model and build the sampling parameters."""
     room = context - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context}",
-                       param="messages" if hasattr(body, "messages") else "prompt",
+                       param=prompt_param or ("messages" if hasattr(body, "messages") else "prompt"),
                        code="context_length_exceeded")
     requested = body.requested_max_tokens()
     if requested is not None and requested > limits.max_tokens_limit:
@@ -98,11 +99,11 @@ class Submitted:
 
 
 def submit(engine: Engine, body: SamplingFields, tokens: list[int], http_request: HTTPRequest,
-           grammar: Grammar | None = None) -> Submitted:
+           grammar: Grammar | None = None, prompt_param: str | None = None) -> Submitted:
     """Validate against the model, queue the request (429 when the queue is full) and track
-    it for the drain."""
+    it for the drain; ``prompt_param`` names the prompt's field in a too-long error."""
     params = sampling_params(body, len(tokens), engine.model.info.context_length, engine.config,
-                             engine.model.info.vocab_size, grammar)
+                             engine.model.info.vocab_size, grammar, prompt_param)
     request = make_request(tokens, params, body.n)
     members = [request, *request.forks]
     stream = EventStream([r.request_id for r in members])
@@ -118,3 +119,22 @@ def submit(engine: Engine, body: SamplingFields, tokens: list[int], http_request
 
     gate: Gate = http_request.app.state.gate
     return Submitted(stream, abort, gate, gate.track(abort))  # a drain out of time aborts it
+
+
+async def answer(job: Submitted, http_request: HTTPRequest, events: Callable[[], AsyncIterator[str]] | None,
+                 collect: Callable[[], Awaitable[dict]],
+                 error: Callable[[int, dict], dict] = lambda status, body: body) -> Response:
+    """The reply of a submitted request, as every dialect gives it: server-sent ``events()``
+    when streaming, else the JSON ``collect()`` builds; a client that left or an engine
+    failure answered with ``error(status, openai_error_body)`` (a dialect's own shape)."""
+    if events is not None:
+        return StreamingResponse(job.closing(events()), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        return JSONResponse(await collect())
+    except ClientGone:
+        return JSONResponse(error(400, error_body("client disconnected")), status_code=400)
+    except EngineFailed as exc:  # the engine failed on this request, or it waited too long
+        return JSONResponse(error(exc.status, exc.body), status_code=exc.status)
+    finally:
+        job.close()

@@ -177,9 +177,10 @@ class ReplySplitter:
         if self._mode == "call":
             return self._in_call(final)
         markers = self._markers()
-        if not markers:
-            return None, False
         buf = self._buffer
+        if not markers:  # nothing to look for: the text goes out as it comes
+            self._buffer = ""
+            return ([Text(buf, self._mode == "reasoning")] if buf else None), False
         hits = [(buf.find(m), m, mode) for m, mode in markers if m and buf.find(m) >= 0]
         if hits:
             at, marker, mode = min(hits)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.server.engine.loop import Engine
 from kvserve.server.http.anthropic.convert import chat_input, sampling_fields
@@ -17,8 +16,7 @@ from kvserve.server.http.anthropic.replies import collect_message, error_json, m
 from kvserve.server.http.anthropic.schemas import CountTokensRequest, MessagesRequest
 from kvserve.server.http.chat import check_grammar, prepare_chat
 from kvserve.server.http.errors import ERROR_SCHEMAS, ERROR_SHAPES
-from kvserve.server.http.streams import ClientGone, EngineFailed
-from kvserve.server.http.submit import submit
+from kvserve.server.http.submit import answer, submit
 from kvserve.server.http.tools import ReplySplitter
 
 PREFIX = "/v1/messages"
@@ -42,21 +40,13 @@ def install_anthropic_routes(app: FastAPI, engine: Engine, check_model) -> None:
         chat = prepare_chat(chat_input(body), model.tokenizer)
         await check_grammar(model.grammars, chat.grammar, "tool_choice")
         splitter = chat.splitter() if chat.splitter is not None else ReplySplitter(None)
-        job = submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar)
+        job = submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar, "messages")
         name, prompt = model.info.model_id, len(chat.tokens)
-        if body.stream:
-            events = message_events(job.stream, splitter, name, prompt, job.abort,
-                                    http_request.app.state.sse_keepalive_s)
-            return StreamingResponse(job.closing(events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            return JSONResponse(await collect_message(job.stream, http_request, splitter, name, prompt))
-        except ClientGone:
-            return JSONResponse(error_json(400, "client disconnected"), status_code=400)
-        except EngineFailed as exc:
-            return JSONResponse(error_json(exc.status, exc.body["error"]["message"]), status_code=exc.status)
-        finally:
-            job.close()
+        events = (lambda: message_events(job.stream, splitter, name, prompt, job.abort,
+                                         http_request.app.state.sse_keepalive_s)) if body.stream else None
+        return await answer(job, http_request, events,
+                            lambda: collect_message(job.stream, http_request, splitter, name, prompt),
+                            lambda status, error: error_json(status, error["error"]["message"]))
 
     @app.post(f"{PREFIX}/count_tokens")
     async def count_tokens(body: CountTokensRequest):
