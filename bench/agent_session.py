@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 from kvserve.bench.cli import default_model_dir, machine
+from kvserve.bench.prefix import streamed_ttft
 from kvserve.bench.targets import Running, Target
 from kvserve.server.http.conversation import render_messages
 from kvserve.server.http.tools import ToolFormat
@@ -104,15 +101,7 @@ def conversation(turn: int, prompt_tokens: int) -> list[dict]:
 def one_turn(running: Running, messages: list[dict]) -> dict:
     body = {"model": running.model_name, "messages": messages, "temperature": 0, "max_tokens": 16,
             "stream": True, "stream_options": {"include_usage": True}}
-    start, first, usage = time.perf_counter(), None, {}
-    with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", json=body, timeout=600) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                first = time.perf_counter() - start
-            usage = chunk.get("usage") or usage
+    first, usage = streamed_ttft(running, body)
     details = usage.get("prompt_tokens_details") or {}
     return {"ttft": first, "prompt_tokens": usage.get("prompt_tokens"), "cached": details.get("cached_tokens")}
 

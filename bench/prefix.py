@@ -53,7 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def ttft(running: Running, prompt: str) -> tuple[float, dict]:
     """Seconds to the first streamed token, and the usage the server reported."""
-    body = chat_bodies(running.model_name, [prompt], 8)[0]
+    return streamed_ttft(running, chat_bodies(running.model_name, [prompt], 8)[0])
+
+
+def streamed_ttft(running: Running, body: dict) -> tuple[float, dict]:
+    """Send a streamed chat ``body``: seconds to its first content token, and its usage."""
     start, first, usage = time.perf_counter(), None, {}
     with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", json=body, timeout=600) as response:
         for line in response.iter_lines():

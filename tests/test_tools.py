@@ -12,7 +12,7 @@ import pytest
 
 from kvserve.server.http.conversation import hermes_call_text, render_messages
 from kvserve.server.http.structured import StructureError, response_format_grammar, tool_call_grammar
-from kvserve.server.http.tools import Call, ReplySplitter, Text, ToolFormat, _merge
+from kvserve.server.http.tools import Call, ReplySplitter, Text, ToolFormat, merge_texts
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -104,7 +104,7 @@ def test_harmony_reasoning_and_final_channel_split():
     fmt = REPLIES["gpt-oss-harmony"][0]()
     pieces = split(fmt, "<|channel|>analysis<|message|>Easy one.<|end|><|start|>assistant"
                         "<|channel|>final<|message|>It is 18 C.", 4)
-    assert _merge(pieces) == [Text("Easy one.", reasoning=True), Text("It is 18 C.")]
+    assert merge_texts(pieces) == [Text("Easy one.", reasoning=True), Text("It is 18 C.")]
 
 
 def test_think_blocks_become_reasoning_and_an_open_block_continues():
@@ -127,7 +127,7 @@ def test_a_call_cut_short_comes_back_as_text():
 
 
 def test_text_that_only_looks_like_a_marker_start_is_released():
-    assert _merge(split(ToolFormat.hermes(), "a < b and <tool is not a tag", 2)) == [Text("a < b and <tool is not a tag")]
+    assert merge_texts(split(ToolFormat.hermes(), "a < b and <tool is not a tag", 2)) == [Text("a < b and <tool is not a tag")]
 
 
 # --- prompts ---

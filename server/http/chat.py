@@ -4,8 +4,7 @@ its output must follow, and how its reply splits into content, reasoning and too
 Shared by both dialects: OpenAI's chat completions and Anthropic's messages reduce their
 bodies to template messages, tools in OpenAI's shape, a tool choice and a response format.
 
-Example (a model without a tool-calling template gets the Hermes convention):
-    >>> from kvserve.server.http.tools import ToolFormat
+Example (a chat without tools calls none):
     >>> chat = ChatInput(messages=[{"role": "user", "content": "hi"}], tools=None)
     >>> chat.wants_calls, chat.tool_choice
     (False, 'auto')

@@ -138,7 +138,7 @@ class ReplySplitter:
             if piece is not None:
                 out.extend(piece)
             if not progressed:
-                return self._hold_spacing(_merge(out))
+                return self._hold_spacing(merge_texts(out))
 
     def _hold_spacing(self, pieces: list[Piece]) -> list[Piece]:
         """Whitespace after a call (between parallel calls, before the end) is framing, not
@@ -170,7 +170,7 @@ class ReplySplitter:
         elif self._buffer:
             out.append(Text(self._buffer, self._mode == "reasoning"))
         self._buffer, self._call = "", ""
-        return self._hold_spacing(_merge(out))
+        return self._hold_spacing(merge_texts(out))
 
     # ---- one transition at a time ------------------------------------------------------
     def _step(self, final: bool) -> tuple[list[Piece] | None, bool]:
@@ -254,8 +254,12 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def _merge(pieces: list[Piece]) -> list[Piece]:
-    """Adjacent text pieces of the same kind as one."""
+def merge_texts(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent text pieces of the same kind as one; empty text dropped.
+
+    >>> merge_texts([Text("a"), Text("b"), Text(""), Call("w", "{}"), Text("c", reasoning=True)])
+    [Text(text='ab', reasoning=False), Call(name='w', arguments='{}'), Text(text='c', reasoning=True)]
+    """
     out: list[Piece] = []
     for p in pieces:
         if isinstance(p, Text) and out and isinstance(out[-1], Text) and out[-1].reasoning == p.reasoning:

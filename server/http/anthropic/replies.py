@@ -26,7 +26,7 @@ from fastapi import Request as HTTPRequest
 
 from kvserve.server.engine.request import FinishReason, TokenEvent, Usage
 from kvserve.server.http.streams import EngineFailed, EventStream, engine_error
-from kvserve.server.http.tools import Call, Piece, ReplySplitter, Text
+from kvserve.server.http.tools import Call, Piece, ReplySplitter, Text, merge_texts
 
 
 def stop_reason(reason: FinishReason | None, stop: str | None, called: bool) -> str:
@@ -102,30 +102,13 @@ async def collect_message(stream: EventStream, http_request: HTTPRequest, splitt
         pieces += splitter.feed(event.text)
         if event.finish_reason is not None:
             last = event
-    pieces = _joined(pieces + splitter.finish())
+    pieces = merge_texts(pieces + splitter.finish())
     message = new_message(model, prompt_tokens)
     message["content"] = [block_json(p) for p in pieces]
     message["stop_reason"] = stop_reason(last.finish_reason, last.stop, splitter.calls > 0)
     message["stop_sequence"] = last.stop
     message["usage"] = usage_json(last.usage, prompt_tokens)
     return message
-
-
-def _joined(pieces: list[Piece]) -> list[Piece]:
-    """Adjacent text of one kind as one block; no empty text blocks.
-
-    >>> _joined([Text("a"), Text("b"), Text(""), Call("w", "{}"), Text("c", reasoning=True)])
-    [Text(text='ab', reasoning=False), Call(name='w', arguments='{}'), Text(text='c', reasoning=True)]
-    """
-    out: list[Piece] = []
-    for p in pieces:
-        if isinstance(p, Text) and not p.text:
-            continue
-        if isinstance(p, Text) and out and isinstance(out[-1], Text) and out[-1].reasoning == p.reasoning:
-            out[-1] = Text(out[-1].text + p.text, p.reasoning)
-        else:
-            out.append(p)
-    return out
 
 
 def sse(kind: str, payload: dict) -> str:
