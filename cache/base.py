@@ -110,6 +110,10 @@ class _Buffered:
     def trim(self, n: int) -> int:
         return self._buf.trim(n)
 
+    def begin_decode(self) -> None:
+        """Decoding starts (or a verify chunk follows): a family that keeps prompts in a
+        prefill form takes its decode form here. Stored families have one form."""
+
     @property
     def nbytes(self) -> int:
         return self._buf.nbytes
@@ -276,6 +280,24 @@ class BatchStoredKVCache(_Buffered):
                     for b in (self, other)]
             self._buf = GrowableBuffer.concat_batch(bufs, fronts, size, self._buf.granule)
         self.left_padding = padding
+
+    def can_trim_rows(self, counts: list[int]) -> bool:
+        return max(counts, default=0) <= self.size()
+
+    def trim_rows(self, counts: list[int]) -> None:
+        """Drop the last ``counts[b]`` tokens of row b (rejected speculative tokens). Every
+        row still ends at the last slot: the common part is trimmed, the rest of each row's
+        junk is rotated to its front and becomes left padding.
+
+            rows  [. a b X]  counts [1, 0]  ->  [. . a b]  left_padding [2, 0]
+                  [c d e f]                     [c d e f]
+        """
+        least = min(counts)
+        self._buf.trim(least)
+        rest = [c - least for c in counts]
+        if any(rest):
+            self._buf.roll_rows(rest)
+            self.left_padding = [p + r for p, r in zip(self.left_padding, rest)]
 
     def prepare(self, *, left_padding: list[int] | None = None, lengths: list[int] | None = None,
                 right_padding: list[int] | None = None) -> None:

@@ -178,6 +178,23 @@ class PromptCache(Sequence):
         trimmed = [layer.trim(n) for layer in self._layers]  # every layer, not just the first
         return trimmed[0]
 
+    def can_trim_rows(self, counts: list[int]) -> bool:
+        """Row b of a batch can drop its last ``counts[b]`` tokens in every layer."""
+        return all(layer.can_trim_rows(counts) for layer in self._layers)
+
+    def trim_rows(self, counts: list[int]) -> None:
+        """Drop the last ``counts[b]`` tokens of row b from every layer (rejected
+        speculative tokens); each layer keeps its class and scheme."""
+        if not self.can_trim_rows(counts):
+            raise ValueError(f"cannot drop {counts} tokens row by row from {self!r}")
+        for layer in self._layers:
+            layer.trim_rows(counts)
+
+    def begin_decode(self) -> None:
+        """Every layer takes its decode form (TurboQuant compresses its raw prompt)."""
+        for layer in self._layers:
+            layer.begin_decode()
+
     # --- conversion, inside the container ---
 
     def _targets(self) -> list[tuple[int, KVScheme]]:

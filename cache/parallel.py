@@ -78,6 +78,10 @@ class ParallelCache:
             raise ValueError(f"a part of this layer cannot drop {n} tokens")
         return [p.trim(n) for p in self.parts][0]
 
+    def begin_decode(self) -> None:
+        for p in self.parts:
+            p.begin_decode()
+
     @property
     def state(self) -> tuple[mx.array, ...]:
         return tuple(a for p in self.parts for a in p.state)
@@ -127,6 +131,13 @@ class BatchParallelCache(ParallelCache):
     def extend(self, other: BatchParallelCache) -> None:
         for p, o in zip(self.parts, other.parts):
             p.extend(o)
+
+    def can_trim_rows(self, counts: list[int]) -> bool:
+        return all(p.can_trim_rows(counts) for p in self.parts)
+
+    def trim_rows(self, counts: list[int]) -> None:
+        for p in self.parts:
+            p.trim_rows(counts)
 
     def prepare(self, **kwargs) -> None:
         for p in self.parts:

@@ -69,6 +69,10 @@ class KVCacheLayer(Protocol):
         """Drop the last ``n`` tokens; returns how many were dropped. Layers that cannot trim
         every n (sliding windows, recurrent state) answer ``can_trim(n)`` first."""
 
+    def begin_decode(self) -> None:
+        """Decoding (or a speculative verify chunk) follows: take the decode form now
+        (TurboQuant compresses its raw prompt; other families do nothing)."""
+
     @property
     def nbytes(self) -> int:
         """Bytes allocated (capacity, not just ``offset``)."""
@@ -94,6 +98,12 @@ class BatchKVCacheLayer(Protocol):
 
     def extend(self, other: "BatchKVCacheLayer") -> None:
         """Append the sequences of ``other`` (in place), re-aligning the padding."""
+
+    def can_trim_rows(self, counts: list[int]) -> bool:
+        """Whether ``trim_rows(counts)`` can run (recurrent state: only all zeros)."""
+
+    def trim_rows(self, counts: list[int]) -> None:
+        """Drop the last ``counts[b]`` tokens of row b; rows still end at the last slot."""
 
     def prepare(self, *, left_padding: list[int] | None = None, lengths: list[int] | None = None,
                 right_padding: list[int] | None = None) -> None: ...

@@ -123,6 +123,9 @@ class StateCache:
         self._undo = None
         return n
 
+    def begin_decode(self) -> None:
+        pass
+
     def _forget_undo(self) -> None:
         self._before, self._undo = {}, None
 
@@ -193,6 +196,14 @@ class BatchStateCache(StateCache):
             self.left_padding = mx.concatenate([p if p is not None else mx.zeros((n,), mx.int32)
                                                 for p, n in zip(pads, rows)])
         self._forget_undo()
+
+    def can_trim_rows(self, counts: list[int]) -> bool:
+        """A state cannot drop some rows' last tokens: the arrays hold no per-token history."""
+        return not any(counts)
+
+    def trim_rows(self, counts: list[int]) -> None:
+        if not self.can_trim_rows(counts):
+            raise ValueError("a recurrent state cannot drop tokens row by row")
 
     def prepare(self, *, left_padding: list[int] | None = None, **_: Any) -> None:
         if left_padding is not None and any(left_padding):

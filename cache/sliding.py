@@ -129,6 +129,9 @@ class _Sliding:
                              f"holding {self.size()} slots")
         return self.inner.trim(n)
 
+    def begin_decode(self) -> None:
+        self.inner.begin_decode()
+
     def _meta(self, dropped: str) -> dict[str, str]:
         return {**self.inner.meta_state, "sliding.window": str(self.window),
                 "sliding.dropped": dropped, "sliding.inner": type(self.inner).__name__}
@@ -251,6 +254,16 @@ class BatchSlidingKVCache(_Sliding):
             raise ValueError(f"cannot extend a window of {self.window} with one of {other.window}")
         self.inner.extend(other.inner)
         self.dropped += other.dropped
+
+    def can_trim_rows(self, counts: list[int]) -> bool:
+        return self.can_trim(max(counts, default=0))
+
+    def trim_rows(self, counts: list[int]) -> None:
+        """Row b drops its last ``counts[b]`` tokens (``BatchStoredKVCache.trim_rows``)."""
+        if not self.can_trim_rows(counts):
+            raise ValueError(f"cannot trim {max(counts)} tokens from a sliding window of "
+                             f"{self.window} holding {self.size()} slots")
+        self.inner.trim_rows(counts)
 
     def prepare(self, **kwargs) -> None:
         self.inner.prepare(**kwargs)

@@ -158,6 +158,11 @@ class _TurboMixin:
         self._buf = buf if buf is not None else GrowableBuffer(self._buf.granule)
         self.phase = COMPRESSED
 
+    def begin_decode(self) -> None:
+        """Compress now: a verify chunk of several tokens would otherwise keep the raw
+        phase (only a one-token call compresses), and the cache would decode unquantized."""
+        self.compress(reserve=16)
+
     # --- update and attention ----------------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:

@@ -63,6 +63,11 @@ class EngineConfig:
     # Seconds a request may wait in the queue before it is answered with a queue_timeout
     # error (a client would rather retry elsewhere than wait on); 0: no limit.
     queue_timeout_s: float = 600.0
+    # Speculative decoding: "off" or "ngram" (propose the continuation of the latest earlier
+    # match of a request's own last tokens); each decoding row verifies up to
+    # ``num_draft_tokens`` proposals in one forward.
+    speculative: str = "off"
+    num_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_tokens <= self.max_tokens_limit,
@@ -78,6 +83,10 @@ class EngineConfig:
         _require(self.max_kv_tokens is None or self.max_kv_tokens >= 1,
                  "engine.max_kv_tokens must be >= 1")
         _require(self.queue_timeout_s >= 0, "engine.queue_timeout_s must be >= 0 (0: no limit)")
+        _require(self.speculative in ("off", "ngram"),
+                 f"engine.speculative must be off or ngram, got {self.speculative!r}")
+        # Sliding windows keep 16 slots past the window: a verify chunk must fit in them.
+        _require(1 <= self.num_draft_tokens <= 15, "engine.num_draft_tokens must be between 1 and 15")
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-timeout", type=float,
                        help="seconds a request may wait in the queue before it gets 503 "
                             "queue_timeout (default 600; 0: no limit)")
+    serve.add_argument("--speculative", choices=["off", "ngram"],
+                       help="speculative decoding: 'ngram' verifies the continuation of an earlier "
+                            "match of each request's last tokens (default off)")
+    serve.add_argument("--num-draft-tokens", type=int,
+                       help="proposed tokens a request verifies per step (default 4, at most 15)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     serve.add_argument("--cors-origins", help="comma-separated origins browsers may call from "
@@ -100,6 +105,8 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "engine.max_step_tokens": args.max_step_tokens,
         "engine.max_kv_tokens": args.max_kv_tokens,
         "engine.queue_timeout_s": args.queue_timeout,
+        "engine.speculative": args.speculative,
+        "engine.num_draft_tokens": args.num_draft_tokens,
     })
 
 
@@ -142,8 +149,8 @@ def serve(config: ServerConfig) -> int:
         scheme = parse_scheme(config.cache.kv_scheme)
     except UnknownScheme as exc:
         raise ConfigError(str(exc)) from None
-    engine = Engine(make_loader(config.model, scheme, blas.describe(), _progress, config.cache),
-                    config.engine)
+    engine = Engine(make_loader(config.model, scheme, blas.describe(), _progress, config.cache,
+                                config.engine.speculative), config.engine)
     loaded = engine.start()
     _progress(f"serving {loaded.info.describe()}")
     _progress(f"listening on http://{config.http.host}:{config.http.port}")

@@ -16,14 +16,18 @@ class Trace:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     sizes: list[int] = field(default_factory=list)  # decode batch size per step
     swaps: list[tuple[str, str]] = field(default_factory=list)  # ("out" | "in", request id)
+    proposed: int = 0  # speculative tokens verified
+    accepted: int = 0  # of those, kept
 
 
 def drive(runner: ModelRunner, requests: list[Request], arrivals: list[int] | None = None,
           step_tokens: int = 24, prefill: int = 16, max_kv_tokens: int | None = None,
-          max_running: int = 8) -> Trace:
-    """Run requests (and their forks) to max_tokens; returns what each sampled."""
+          max_running: int = 8, draft_tokens: int = 0) -> Trace:
+    """Run requests (and their forks) to max_tokens; returns what each sampled (proposals
+    the runner accepted, then its sampled token, per step)."""
     scheduler = Scheduler(max_running=max_running, prefill_step_size=prefill, max_waiting=16,
-                          max_step_tokens=step_tokens, max_kv_tokens=max_kv_tokens)
+                          max_step_tokens=step_tokens, max_kv_tokens=max_kv_tokens,
+                          max_draft_tokens=draft_tokens)
     pending = list(zip(arrivals or [0] * len(requests), requests))
     members = [m for r in requests for m in (r, *r.forks)]
     trace = Trace({m.request_id: [] for m in members}, {m.request_id: [] for m in members})
@@ -42,8 +46,10 @@ def drive(runner: ModelRunner, requests: list[Request], arrivals: list[int] | No
         trace.sizes.append(len(plan.decode))
         trace.swaps += [("out", r.request_id) for r in plan.swap_out]
         trace.swaps += [("in", r.request_id) for r in plan.swap_in]
+        trace.proposed += sum(result.proposed.values())
+        trace.accepted += sum(len(a) for a in result.accepted.values())
         for request_id, token in result.sampled.items():
-            trace.tokens[request_id].append(token)
+            trace.tokens[request_id].extend((*result.accepted.get(request_id, ()), token))
             if request_id in result.logprobs:
                 trace.logprobs[request_id].append(result.logprobs[request_id])
             request = scheduler.find(request_id)

@@ -324,3 +324,20 @@ def test_an_architecture_without_a_cache_is_refused_at_start_up(models, tmp_path
     lines = [line for line in result.stderr.splitlines() if line.startswith("kvserve: error:")]
     assert lines == [f"kvserve: error: {models('llama4').name} cannot be served: layer 0: "
                      "mlx-lm's ChunkedKVCache (no kvserve cache for this layer kind)"], result.stderr
+
+
+def test_speculation_on_a_model_with_recurrent_layers_is_refused_at_start_up(models, tmp_path):
+    """A recurrent state cannot drop some rows' rejected tokens: ``--speculative ngram`` on
+    LFM2 exits before it listens, with one line that says why."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", str(models("lfm2")),
+         "--cache-dir", str(tmp_path), "--port", "0", "--speculative", "ngram"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("kvserve: error:")]
+    assert len(lines) == 1 and "speculative decoding needs layers that can drop rejected tokens" in lines[0] \
+        and "recurrent-state layers" in lines[0], result.stderr

@@ -364,3 +364,27 @@ def test_families_refuse_foreign_schemes():
         FP16KVCache(parse_scheme("mxfp4"))
     with pytest.raises(ValueError, match="head_dim 64 is not a multiple"):
         make_layer_cache("affine4-g128").update_and_fetch(*kv(1, 1, 2, 64, seed=0))
+
+
+# --- rejected speculative tokens: trim_rows ---
+
+@pytest.mark.parametrize("name", LAW_SCHEMES)
+def test_trim_rows_equals_each_row_trimmed_alone(name):
+    """Three rows of 5, 3 and 7 tokens take a 4-token verify chunk, then drop 3, 0 and 2 of
+    it: each row then holds exactly what it would hold alone with only its kept tokens, in
+    the same class and scheme (TurboQuant compressed, as a verify step leaves it)."""
+    scheme = scheme_or_skip(name)
+    D, lengths, drops = head_dim(scheme), [5, 3, 7], [3, 0, 2]
+    singles = [filled(scheme, n, D, seed=10 + i) for i, n in enumerate(lengths)]
+    batch = batch_class_for(scheme).merge(singles)
+    batch.begin_decode()
+    chunk = kv(3, 2, 4, D, seed=99)
+    batch.update_and_fetch(*chunk)
+    assert batch.can_trim_rows(drops)
+    batch.trim_rows(drops)
+    assert type(batch) is batch_class_for(scheme) and batch.scheme == scheme
+    assert batch.lengths == [n + 4 - d for n, d in zip(lengths, drops)]
+    for i, (single, drop) in enumerate(zip(singles, drops)):
+        single.begin_decode()
+        single.update_and_fetch(chunk[0][i : i + 1, :, : 4 - drop], chunk[1][i : i + 1, :, : 4 - drop])
+        assert_same_state(batch.extract(i), single)

@@ -68,7 +68,8 @@ class Engine:
         # once, before a step admits any, so its waiting queue holds that whole bound.
         self.scheduler = Scheduler(config.max_batch_size, config.prefill_step_size,
                                    config.max_queued_requests + config.max_batch_size,
-                                   config.max_step_tokens, config.max_kv_tokens)
+                                   config.max_step_tokens, config.max_kv_tokens,
+                                   config.num_draft_tokens if config.speculative != "off" else 0)
         self._live: dict[str, _Live] = {}
         self.metrics = EngineMetrics(kv_scheme="")  # named once the model (and scheme) loaded
 
@@ -205,17 +206,28 @@ class Engine:
     def _emit(self, result: StepResult) -> None:
         now = time.monotonic()
         for request_id, token in result.sampled.items():
-            live = self._live[request_id]
-            request = live.request
+            tokens = (*result.accepted.get(request_id, ()), token)
+            logprobs = (result.logprobs[request_id],) if request_id in result.logprobs else ()
+            self._emit_tokens(self._live[request_id], tokens, logprobs, now)
+
+    def _emit_tokens(self, live: _Live, tokens: tuple[int, ...], logprobs: tuple, now: float) -> None:
+        """Feed a step's tokens (one, or accepted proposals then one) to a request's output;
+        one event carries their text. Tokens after a stop are dropped and not counted."""
+        request, parts = live.request, []
+        for i, token in enumerate(tokens):
             self._time_token(live, now)
             text, stopped = live.output.add_token(token)
-            logprobs = (result.logprobs[request_id],) if request_id in result.logprobs else ()
-            if stopped:
-                self._finish(request, FinishReason.STOP, text, logprobs=logprobs)
-            elif request.num_generated >= request.params.max_tokens:
-                self._finish(request, FinishReason.LENGTH, text + live.output.finish(), logprobs=logprobs)
-            elif text or logprobs:
-                live.sink(TokenEvent(request_id, text, (token,), logprobs=logprobs))
+            parts.append(text)
+            ended = stopped or request.num_generated - (len(tokens) - 1 - i) >= request.params.max_tokens
+            if ended:
+                request.num_generated -= len(tokens) - 1 - i  # what came after the end never counts
+                reason = FinishReason.STOP if stopped else FinishReason.LENGTH
+                tail = "" if stopped else live.output.finish()
+                self._finish(request, reason, "".join(parts) + tail, logprobs=logprobs)
+                return
+        text = "".join(parts)
+        if text or logprobs:
+            live.sink(TokenEvent(request.request_id, text, tokens, logprobs=logprobs))
 
     def _time_token(self, live: _Live, now: float) -> None:
         request = live.request
@@ -254,6 +266,8 @@ class Engine:
         m, runner = self.metrics, self.model.runner
         m.prompt_tokens += sum(result.prefilled.values()) - sum(result.cached.values())
         m.preemptions += len(plan.swap_out)
+        m.draft_proposed += sum(result.proposed.values())
+        m.draft_accepted += sum(len(a) for a in result.accepted.values())
         m.waiting, m.running = len(self.scheduler.waiting), len(self.scheduler.running)
         m.kv_bytes, m.swapped = runner.kv_bytes, runner.swapped_requests
         if runner.prefix is not None:

@@ -88,6 +88,8 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.preemptions = 0
+        self.draft_proposed = 0  # speculative tokens verified
+        self.draft_accepted = 0  # of those, accepted
         self.finished: Counter[str] = Counter()
         self.waiting = 0
         self.running = 0
@@ -118,6 +120,10 @@ class EngineMetrics:
             *_metric("kvserve_generation_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
             *_metric("kvserve_preemptions_total", "counter", "Requests swapped out for KV memory.",
                      self.preemptions),
+            *_metric("kvserve_speculative_proposed_tokens_total", "counter",
+                     "Proposed tokens verified by the model (speculative decoding).", self.draft_proposed, scheme),
+            *_metric("kvserve_speculative_accepted_tokens_total", "counter",
+                     "Proposed tokens the model accepted.", self.draft_accepted, scheme),
             *_by_label("kvserve_requests_finished_total", "Finished requests by finish reason.", "reason",
                        {r: self.finished[r] for r in ("stop", "length", "abort", "error", "timeout")}),
         ]

@@ -21,19 +21,20 @@ log = logging.getLogger("kvserve.engine")
 
 
 def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
-                progress: Callable[[str], None] | None = None, cache: CacheConfig | None = None):
+                progress: Callable[[str], None] | None = None, cache: CacheConfig | None = None,
+                speculative: str = "off"):
     """Returns a zero-argument loader for ``Engine``; ``blas`` describes the active BLAS;
-    ``cache`` sizes the prefix cache (None: no prefix cache)."""
+    ``cache`` sizes the prefix cache (None: no prefix cache); ``speculative`` the proposer."""
 
     def load() -> LoadedModel:
-        return load_model(config, scheme, blas, progress, cache)
+        return load_model(config, scheme, blas, progress, cache, speculative)
 
     return load
 
 
 def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                progress: Callable[[str], None] | None = None,
-               cache: CacheConfig | None = None) -> LoadedModel:
+               cache: CacheConfig | None = None, speculative: str = "off") -> LoadedModel:
     from kvserve.server.engine.fastpath import install_table_rope
     from kvserve.server.engine.grammar import Grammars
     from kvserve.server.engine.runner import ModelRunner
@@ -41,14 +42,17 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     bundle = load_bundle(config, kv_scheme=scheme.name, blas=blas, progress=progress,
                          check=lambda model: _check_servable(model, scheme, model_id_for(config.model, config.model)))
     install_table_rope(bundle.model)
+    layout = _layout(bundle.model, scheme)
+    if speculative != "off" and "state" in layout:
+        raise ModelLoadError(f"speculative decoding needs layers that can drop rejected tokens row by row; "
+                             f"this model has recurrent-state layers ({layout})")
     swap_dir = config.resolved_cache_dir() / "swap"  # on disk: /tmp may be RAM-backed
     swap_dir.mkdir(parents=True, exist_ok=True)
     prefix = None
     if cache is not None and cache.prefix_enabled:
-        prefix = open_prefix_cache(cache, config, bundle.info.source, bundle.tokenizer, scheme,
-                                   _layout(bundle.model, scheme))
+        prefix = open_prefix_cache(cache, config, bundle.info.source, bundle.tokenizer, scheme, layout)
     grammars = Grammars(bundle.tokenizer, bundle.info.vocab_size)
-    runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars)
+    runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, speculative)
     return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars)
 
 

@@ -52,6 +52,7 @@ from kvserve.server.engine.heap import heap_stats
 from kvserve.server.engine.request import Request
 from kvserve.server.engine.sampler import Draw, Pick, RequestSampler, draw_rows, sample_rows
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
+from kvserve.server.engine.speculation import RowSpeculation, position_cost, verify_width
 
 
 log = logging.getLogger(__name__)
@@ -111,12 +112,53 @@ class DecodeStep:
         return DecodeStep(self.rows, draw)
 
 
+@dataclass(frozen=True)
+class VerifyStep:
+    """A decode forward that also verifies proposals: row b fed ``[last, *proposals[b]]``
+    (right-padded to one width), ``logits`` (B, L, V), ``greedy`` their argmax (B, L)."""
+
+    rows: list[str]
+    proposals: list[list[int]]
+    logits: mx.array
+    greedy: mx.array
+
+    def accept(self, samplers: list[RequestSampler]) -> list[tuple[list[int], Pick]]:
+        """Per row: the proposals the model keeps and the pick after them, every token
+        observed by the row's sampler. Rows without proposals sample their first position
+        as an ordinary step does (grammar masks, logprobs, the same key draws)."""
+        plain = [b for b, guess in enumerate(self.proposals) if not guess]
+        drawn = {}
+        if plain:
+            picks = draw_rows([samplers[b] for b in plain], self.logits[mx.array(plain), 0]).read()
+            drawn = dict(zip(plain, picks))
+        argmax = self.greedy.tolist()
+        out = []
+        for b, (sampler, guess) in enumerate(zip(samplers, self.proposals)):
+            if b in drawn:
+                out.append(([], drawn[b]))
+                continue
+            if sampler.params.plain_greedy:
+                n = next((i for i, t in enumerate(guess) if argmax[b][i] != t), len(guess))
+                kept, token = guess[:n], argmax[b][n]
+            else:
+                kept, token = sampler.accept(self.logits[b, : len(guess) + 1], guess)
+            for t in (*kept, token):
+                sampler.observe(t)
+            out.append((kept, Pick(token)))
+        return out
+
+
 class ModelRunner:
     """Holds the model, the caches and samplers of live requests; runs on the engine thread."""
 
     def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None, prefix=None,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, speculative: str = "off"):
         self.model = model
+        self.speculative = speculative  # "off" or "ngram"
+        self._spec: dict[str, RowSpeculation] = {}  # rows that propose (speculative != "off")
+        self._consulted: dict[str, int] = {}  # rows asked for proposals this step: how many
+        self._armed: set[str] = set()  # rows whose known tokens end in a match: they propose next
+        self.position_cost = position_cost  # a verified position's share of a step (speculation.py)
         self.scheme = scheme
         self.grammars = grammars  # compiles the grammars of constrained requests
         self.prefix = prefix  # kvserve.cache.prefix.PrefixCache or None
@@ -138,7 +180,7 @@ class ModelRunner:
             self._swap_out(request.request_id)
         for request in plan.swap_in:
             self._swap_in(request.request_id)
-        step = self._decode(plan.decode)  # queued, read back last
+        step = self._decode(plan.decode, plan.drafts)  # queued, read back last
         cached = self._attach_prefixes(plan.prefill)
         prefilled = {c.request.request_id: c.num_tokens for c in plan.prefill}
         started = tuple(c for c in plan.prefill if c.request.request_id in self._hits)
@@ -155,12 +197,20 @@ class ModelRunner:
         if together:
             prompt_picks.update(self._prefill_together(together))
         self._ahead = self._queue_ahead(step, _ending(plan, prompt_picks))
-        picks = {**self._read(step), **prompt_picks}
+        if isinstance(step, VerifyStep):
+            accepted, decoded = self._read_verified(step)
+        else:
+            accepted, decoded = {}, self._read(step)
+        self._record(accepted)
+        picks = {**decoded, **prompt_picks}
         for request_id, pick in picks.items():
-            self._tokens[request_id].append(pick.token)
+            self._tokens[request_id].extend((*accepted.get(request_id, ()), pick.token))
+        proposed = {r: len(g) for r, g in zip(step.rows, step.proposals) if g} \
+            if isinstance(step, VerifyStep) else {}
         return StepResult(prefilled=prefilled, sampled={r: p.token for r, p in picks.items()},
                           logprobs={r: p.logprob for r, p in picks.items() if p.logprob is not None},
-                          cached=cached)
+                          cached=cached, accepted={r: a for r, a in accepted.items() if a},
+                          proposed=proposed)
 
     def release(self, request_id: str, keep: bool = False) -> None:
         """Free a request's cache (its batch row leaves); called when it finishes or is aborted.
@@ -172,6 +222,7 @@ class ModelRunner:
             if cache is not None and cache.offset in (len(tokens) - 1, len(tokens)):
                 self._offer(tokens[: cache.offset], cache)
         self._hits.pop(request_id, None)
+        self._spec.pop(request_id, None)
         self._samplers.pop(request_id, None)
         self._single.pop(request_id, None)
         self._last.pop(request_id, None)
@@ -328,19 +379,93 @@ class ModelRunner:
         return PromptCache.for_model(self.model, self.scheme, quantize_after=RAW_PREFILL_TOKENS)
 
     # ---- decode: one forward over every decoding request --------------------------------
-    def _decode(self, requests: tuple[Request, ...]) -> DecodeStep | None:
+    def _decode(self, requests: tuple[Request, ...], drafts: dict[str, int]) -> DecodeStep | VerifyStep | None:
         """Queue this step's decode of ``requests``: the step queued ahead when it covers
-        exactly them, else a new forward (after undoing the queued one)."""
+        exactly them, else a new forward (after undoing the queued one) that verifies the
+        rows' proposals when they have any (at most ``drafts[r]`` each)."""
         planned = {r.request_id for r in requests}
-        if self._ahead is not None and planned == set(self._rows):
-            step, self._ahead = self._ahead.narrow(self._rows).complete(), None
-            return step
-        self._undo_ahead()
-        if not requests:
-            return None
-        self._park([r for r in self._rows if r not in planned])
-        self._join([r.request_id for r in requests if r.request_id not in self._rows])
-        return self._forward(mx.array([[self._last[r]] for r in self._rows]))  # (B, 1)
+        try:
+            if self._ahead is not None and planned == set(self._rows):
+                step, self._ahead = self._ahead.narrow(self._rows).complete(), None
+                return step
+            self._undo_ahead()
+            if not requests:
+                return None
+            self._park([r for r in self._rows if r not in planned])
+            self._join([r.request_id for r in requests if r.request_id not in self._rows])
+            proposals = self._propose(drafts)
+            if any(proposals):
+                return self._verify(proposals)
+            return self._forward(mx.array([[self._last[r]] for r in self._rows]))  # (B, 1)
+        finally:
+            # After the decision: a row's proposals never depend on whether its step was
+            # queued ahead (alone) or not (beside a speculating row).
+            for r in planned & self._spec.keys():
+                if not self._spec[r].active:
+                    self._spec[r].tick()
+
+    # ---- speculative decoding: proposals verified inside the batch ----------------------
+    def _speculates(self, request_id: str) -> bool:
+        """Rows whose sampling can take verified proposals: no grammar (its matcher moves
+        one token at a time) and no logprobs (reported per sampled token)."""
+        params = self._samplers[request_id].params
+        return self.speculative != "off" and params.grammar is None and not params.logprobs
+
+    def _proposing(self, request_id: str) -> bool:
+        """The row speculates and is not paused (``_arm`` tells whether it proposes)."""
+        return self._speculates(request_id) and self._spec.setdefault(request_id, RowSpeculation()).active
+
+    def _arm(self, rows: list[str]) -> None:
+        """Rows that will propose next step: active, and their tokens known so far (this
+        step's are not read yet) end in an earlier match. Text that does not repeat itself
+        rarely arms a row, so its steps keep being queued ahead; a row's arming depends on
+        its own tokens only, so it proposes at the same steps alone or in any batch."""
+        self._armed = {r for r in rows if self._proposing(r) and self._spec[r].index.propose(self._tokens[r], 1)}
+
+    def _propose(self, drafts: dict[str, int]) -> list[list[int]]:
+        """Each batch row's proposals (maybe none): armed rows look their last tokens up in
+        their own prompt and output; ``verify_width`` cuts them to what the rows' acceptance
+        rates pay for in a batch of this size."""
+        guesses = {r: self._spec[r].index.propose(self._tokens[r], drafts[r])
+                   for r in self._rows if drafts.get(r, 0) > 0 and r in self._armed}
+        width = verify_width([(len(g), self._spec[r].rate) for r, g in guesses.items() if g], len(self._rows),
+                             self.position_cost)
+        self._consulted = {r: min(len(g), width - 1) for r, g in guesses.items()}
+        return [guesses.get(r, [])[: width - 1] for r in self._rows]
+
+    def _verify(self, proposals: list[list[int]]) -> VerifyStep:
+        """One forward over every row, ``[last, *proposals]`` each, right-padded with the
+        row's last token (those slots are dropped after)."""
+        width = 1 + max(len(g) for g in proposals)
+        tokens = [[self._last[r], *g] + [self._last[r]] * (width - 1 - len(g)) for r, g in zip(self._rows, proposals)]
+        self._batch.begin_decode()  # a TurboQuant prompt still raw is compressed first
+        logits = self.model(mx.array(tokens), cache=self._batch)  # (B, L, V)
+        self._batch.maybe_convert()
+        greedy = mx.argmax(logits, axis=-1)  # (B, L)
+        mx.async_eval(greedy)
+        return VerifyStep(list(self._rows), proposals, logits, greedy)
+
+    def _read_verified(self, step: VerifyStep) -> tuple[dict[str, tuple[int, ...]], dict[str, Pick]]:
+        """Accept per row, drop each row's rejected (and padding) slots from every layer,
+        count the outcome for the adaptive rule."""
+        width = step.logits.shape[1]
+        results = step.accept([self._samplers[r] for r in step.rows])
+        assert self._rows[: len(step.rows)] == step.rows, "rows join the batch at its end"
+        joined = [0] * (len(self._rows) - len(step.rows))  # joined after the forward: nothing to drop
+        self._batch.trim_rows([width - 1 - len(kept) for kept, _ in results] + joined)
+        accepted, picks = {}, {}
+        for r, (kept, pick) in zip(step.rows, results):
+            self._last[r] = pick.token
+            accepted[r], picks[r] = tuple(kept), pick
+        return accepted, picks
+
+    def _record(self, accepted: dict[str, tuple[int, ...]]) -> None:
+        """Every row consulted this step (whether or not it guessed, whatever the step's
+        form) counts its outcome once: the adaptive rule sees one history per request."""
+        for r, n in self._consulted.items():
+            if r in self._spec:
+                self._spec[r].record(n, len(accepted.get(r, ())))
+        self._consulted = {}
 
     def _forward(self, tokens: mx.array, ahead: bool = False) -> DecodeStep:
         """One decode forward over the whole batch, sampled per row, evaluation started.
@@ -358,8 +483,11 @@ class ModelRunner:
         a row's penalties need its last token counted first. Constrained rows go ahead
         too: their masked sampling waits for the next step (``Draw.complete``)."""
         rows = self._rows
+        self._arm(rows)
         if not rows or ending.issuperset(rows) or any(self._samplers[r].params.penalized for r in rows):
             return None
+        if isinstance(step, VerifyStep) or self._armed:
+            return None  # the next proposals need this step's tokens
         decoded = step.rows if step is not None else []
         assert rows[: len(decoded)] == decoded, "rows join the batch at its end"
         parts = [step.draw.tokens.astype(mx.int32)] if decoded else []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import secrets
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -65,11 +66,13 @@ class RequestSampler:
         if self.grammar is not None:
             self.grammar.consume(token)
 
-    def adjust(self, logits: mx.array) -> mx.array:
-        """``logits`` (1, V) plus the bias minus the penalties, as one sparse add."""
+    def adjust(self, logits: mx.array, ahead: Sequence[int] = ()) -> mx.array:
+        """``logits`` (1, V) plus the bias minus the penalties, as one sparse add; ``ahead``:
+        tokens not observed yet that come before this position (proposals being verified)."""
         params = self.params
         delta = dict(self._bias)
-        for token, count in self._counts.items():
+        counts = self._counts + Counter(ahead) if params.penalized and ahead else self._counts
+        for token, count in counts.items():
             penalty = params.frequency_penalty * count + params.presence_penalty
             delta[token] = delta.get(token, 0.0) - penalty
         if not delta:
@@ -80,9 +83,15 @@ class RequestSampler:
     def sample(self, logits: mx.array) -> mx.array:
         """``logits`` (1, V) -> token id array of shape (1,)."""
         logits = self.adjust(logits)
-        params = self.params
-        if params.greedy:
+        if self.params.greedy:
             return mx.argmax(logits, axis=-1)
+        self._key, sub = mx.random.split(self._key)
+        return mx.random.categorical(self._scaled(logits), key=sub)
+
+    def _scaled(self, logits: mx.array) -> mx.array:
+        """Adjusted logits (N, V) -> the logits this request samples from: log-softmax,
+        top-k / top-p / min-p filters, then temperature."""
+        params = self.params
         logprobs = logits.astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         if 0 < params.top_k < logprobs.shape[-1]:
@@ -91,9 +100,39 @@ class RequestSampler:
             logprobs = apply_top_p(logprobs, params.top_p)
         if params.min_p > 0.0:
             logprobs = apply_min_p(logprobs, params.min_p)
-        self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1.0 / params.temperature), key=sub)
+        return logprobs * (1.0 / params.temperature)
 
+    def accept(self, logits: mx.array, proposals: Sequence[int]) -> tuple[list[int], int]:
+        """Verify proposed tokens against the model: ``logits`` (k + 1, V) are the model's
+        after the last token and after each proposal. Returns the proposals kept and the
+        token that follows them. Nothing is observed here (the caller does).
+
+        Position i is sampled exactly as an ordinary step would sample it, with the key
+        the i-th next draw would use (greedy: the argmax), and a proposal is kept while it
+        equals that sample. So the tokens are those of decoding without speculation, token
+        for token and seed for seed, and each is distributed as the model's p; a guess d is
+        kept with probability p(d), as by the rejection rule with a one-hot draft. Only the
+        draws of emitted tokens are consumed.
+
+            >>> s = RequestSampler(SamplingParams(temperature=0.0))
+            >>> s.accept(mx.array([[0., 3., 1.], [2., 0., 1.], [0., 0., 5.]]), [1, 2])
+            ([1], 0)
+        """
+        k = len(proposals)
+        rows = mx.concatenate([self.adjust(logits[i : i + 1], proposals[:i]) for i in range(k + 1)])
+        if self.params.greedy:
+            picks = mx.argmax(rows, axis=-1).tolist()
+        else:
+            scaled, keys, key = self._scaled(rows), [], self._key
+            for _ in range(k + 1):
+                key, sub = mx.random.split(key)
+                keys.append((key, sub))
+            picks = mx.concatenate([mx.random.categorical(scaled[i : i + 1], key=sub)
+                                    for i, (_, sub) in enumerate(keys)]).tolist()
+        kept = next((i for i in range(k) if picks[i] != proposals[i]), k)
+        if not self.params.greedy:
+            self._key = keys[kept][0]  # kept + 1 tokens emitted: as many draws used
+        return list(proposals[:kept]), picks[kept]
 
 @dataclass(frozen=True)
 class Draw:

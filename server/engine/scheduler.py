@@ -10,6 +10,9 @@ Policy (continuous batching with chunked prefill):
   * a step computes at most ``max_step_tokens`` tokens: every decoding request costs 1 and
     always runs, the rest of the budget goes to prompt chunks (each at most
     ``prefill_step_size``) of the running requests that still prefill, in admission order;
+  * with ``max_draft_tokens`` (speculative decoding), a decoding request may also verify up
+    to that many proposed tokens in its row; they come out of the same budgets, before the
+    prompt chunks, and never past the request's ``max_tokens`` (``StepPlan.drafts``);
   * with ``max_kv_tokens``, KV memory is a budget too: a request is admitted only when its
     whole prompt fits beside what the running requests hold, and when decoding outgrows the
     budget the most recently admitted decoding request is *preempted*: its cache is swapped
@@ -65,6 +68,8 @@ class StepPlan:
     decode: tuple[Request, ...] = ()
     swap_out: tuple[Request, ...] = ()
     swap_in: tuple[Request, ...] = ()
+    # Proposed tokens a decoding request may verify this step (absent: none).
+    drafts: dict[str, int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -72,8 +77,9 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens this step computes: one per decoding request plus the prompt chunks."""
-        return len(self.decode) + sum(c.num_tokens for c in self.prefill)
+        """Tokens this step may compute: one per decoding request, its proposals, the
+        prompt chunks."""
+        return len(self.decode) + sum(self.drafts.values()) + sum(c.num_tokens for c in self.prefill)
 
     def describe(self) -> dict[str, list]:
         """Request ids and chunk sizes, for logs and exact tests (swaps only when present)."""
@@ -87,10 +93,14 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What the runner did: prompt tokens consumed and one sampled token per request."""
+    """What the runner did: prompt tokens consumed and one sampled token per request, after
+    the proposed tokens it accepted (speculative decoding): a request's new tokens are
+    ``accepted[r] + (sampled[r],)``."""
 
     prefilled: dict[str, int] = field(default_factory=dict)
     sampled: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    proposed: dict[str, int] = field(default_factory=dict)  # tokens each row verified
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # rows that asked
     cached: dict[str, int] = field(default_factory=dict)  # prompt tokens a prefix cache gave (in prefilled too)
 
@@ -100,7 +110,8 @@ class Scheduler:
     requests and fills the rest of a ``max_step_tokens`` budget with prompt chunks."""
 
     def __init__(self, max_running: int, prefill_step_size: int, max_waiting: int,
-                 max_step_tokens: int | None = None, max_kv_tokens: int | None = None):
+                 max_step_tokens: int | None = None, max_kv_tokens: int | None = None,
+                 max_draft_tokens: int = 0):
         self.max_running = max_running
         self.prefill_step_size = prefill_step_size
         self.max_waiting = max_waiting
@@ -108,6 +119,7 @@ class Scheduler:
         if self.max_step_tokens < max_running:  # a decoding request would miss steps
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) < max_running ({max_running})")
         self.max_kv_tokens = max_kv_tokens
+        self.max_draft_tokens = max_draft_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -129,6 +141,9 @@ class Scheduler:
         decode = tuple(r for r in self.running if r.status is RequestStatus.DECODE)
         budget = self.max_step_tokens - len(decode)
         kv_room = self._kv_room() - len(decode)
+        drafts = self._drafts(decode, min(budget, kv_room))
+        budget -= sum(drafts.values())
+        kv_room -= sum(drafts.values())
         prefill = []
         for r in self.running:
             if budget <= 0 or kv_room <= 0:
@@ -139,7 +154,27 @@ class Scheduler:
                 budget -= n
                 kv_room -= n
         return StepPlan(prefill=tuple(prefill), decode=decode, swap_out=swap_out,
-                        swap_in=tuple(r for r in swap_in if r not in swap_out))
+                        swap_in=tuple(r for r in swap_in if r not in swap_out), drafts=drafts)
+
+    def _drafts(self, decode: tuple[Request, ...], room: int) -> dict[str, int]:
+        """Proposed tokens each decoding request may verify: ``max_draft_tokens``, less
+        where its ``max_tokens`` is near (the step's own token comes after them) or the
+        step's token and KV budgets run out (earliest admitted first).
+
+            >>> from kvserve.server.engine.request import Request, SamplingParams
+            >>> s = Scheduler(2, 16, 4, max_step_tokens=8, max_draft_tokens=4)
+            >>> a, b = (Request([1], SamplingParams(max_tokens=n)) for n in (9, 3))
+            >>> b.num_generated = 1
+            >>> list(s._drafts((a, b), room=6).values())
+            [4, 1]
+        """
+        out = {}
+        for r in decode:
+            n = min(self.max_draft_tokens, r.params.max_tokens - r.num_generated - 1, room)
+            if n > 0:
+                out[r.request_id] = n
+                room -= n
+        return out
 
     def commit(self, result: StepResult) -> None:
         """Advance counters and states after the runner executed a plan."""
@@ -153,7 +188,7 @@ class Scheduler:
             if request.request_id in result.sampled:
                 if request.fork_of is not None and request.status is RequestStatus.WAITING:
                     request.num_computed = request.num_prompt_tokens  # its leader's prefill
-                request.num_generated += 1
+                request.num_generated += 1 + len(result.accepted.get(request.request_id, ()))
                 request.status = RequestStatus.DECODE
 
     def finish(self, request: Request, reason: FinishReason) -> None:

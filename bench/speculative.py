@@ -1,0 +1,152 @@
+"""Speculative decoding: how much faster does a server decode with prompt lookup, where the
+output repeats its context and where it does not?
+
+    python bench/speculative.py [--targets "kvserve:" "kvserve:--speculative ngram" "mlx_lm:"]
+        [--scenarios edit1,edit8,stories8] [--max-tokens 256] [--out docs/benchmarks/speculative.md]
+
+Scenarios, all on one model (the default unless ``--model``):
+  edit1     one stream at a time: a ~900-token passage of the GPL, then "the same text with
+            'works' replaced by 'programs':" and its first words (``/v1/completions``, greedy),
+            so the model copies the passage with an edit; 3 passages in turn;
+  edit8     8 such streams at once (8 passages);
+  stories8  8 concurrent chats asking for a short story, sampled (temperature 0.7, seeded),
+            16 requests: output that does not repeat its prompt.
+Each target is started once and runs every scenario; kvserve runs without its SSD prefix tier
+(``--prompt-cache-disk-gb 0``) so no target reads another's files. Reported per scenario:
+aggregate output tok/s, the median stream's decode tok/s ((tokens - 1) / (end - first token)),
+TTFT p50 and, for kvserve, the proposed and accepted tokens from ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+
+from kvserve.bench.cli import default_model_dir, machine
+from kvserve.bench.load import run_load
+from kvserve.bench.targets import Running, Target
+
+SCENARIOS = ("edit1", "edit8", "stories8")
+TOPICS = ["a lighthouse keeper", "a lost robot", "two rival bakers", "a comet", "a chess prodigy",
+          "a haunted library", "a desert caravan", "a submarine crew"]
+
+
+def passages(n: int, words: int = 650) -> list[str]:
+    text = (Path(__file__).resolve().parents[1] / "server/engine/data/eval-gpl-3.0.txt").read_text().split()
+    return [" ".join(text[200 + i * 300 : 200 + i * 300 + words]) for i in range(n)]
+
+
+def edit_body(model: str, passage: str, max_tokens: int) -> dict:
+    edited = passage.replace(" works", " programs").split()
+    prompt = (f"Original text:\n\n{passage}\n\nThe same text with \"works\" replaced by \"programs\":\n\n"
+              + " ".join(edited[:8]))
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def story_body(model: str, i: int, max_tokens: int) -> dict:
+    topic = TOPICS[i % len(TOPICS)]
+    return {"model": model, "messages": [{"role": "user", "content": f"Write a short story about {topic}."}],
+            "max_tokens": max_tokens, "temperature": 0.7, "seed": i, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def bodies(scenario: str, model: str, max_tokens: int) -> tuple[list[dict], int]:
+    """The requests of a scenario and how many run at once."""
+    if scenario == "edit1":
+        return [edit_body(model, p, max_tokens) for p in passages(3)], 1
+    if scenario == "edit8":
+        return [edit_body(model, p, max_tokens) for p in passages(8)], 8
+    return [story_body(model, i, max_tokens // 2) for i in range(16)], 8
+
+
+def counters(running: Running) -> dict[str, float]:
+    """The speculative counters of a kvserve target (empty for a peer)."""
+    if running.target.kind != "kvserve":
+        return {}
+    out = {}
+    for line in httpx.get(f"{running.base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvserve_speculative_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0].split("_")[2]] = float(value)
+    return out
+
+
+def run_scenario(running: Running, scenario: str, max_tokens: int) -> dict:
+    requests, concurrency = bodies(scenario, running.model_name, max_tokens)
+    before = counters(running)
+    result = run_load(running.base_url, requests, concurrency)
+    after = counters(running)
+    decode = [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in result.ok if r.output_tokens > 1 and r.e2e > r.ttft]
+    summary = result.summary()
+    row = {"target": running.target.label, "scenario": scenario, "requests": len(requests),
+           "errors": result.errors, "output_tok_s": summary["output_tok_s"],
+           "decode_tok_s": statistics.median(decode) if decode else None, "ttft_p50": summary["ttft_p50"],
+           "tokens": result.output_tokens}
+    if after:
+        row["proposed"] = after.get("proposed", 0) - before.get("proposed", 0)
+        row["accepted"] = after.get("accepted", 0) - before.get("accepted", 0)
+    return row
+
+
+def measure(target: Target, model_dir: Path, scenarios: list[str], max_tokens: int) -> list[dict]:
+    print(f"speculative: starting {target.label}", file=sys.stderr, flush=True)
+    running = Running(target, model_dir)
+    try:
+        run_load(running.base_url, [story_body(running.model_name, 99, 8)], 1)  # warm-up
+        rows = []
+        for scenario in scenarios:
+            rows.append(run_scenario(running, scenario, max_tokens))
+            print(f"speculative: {target.label} {scenario}: {rows[-1]['output_tok_s']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
+        return rows
+    finally:
+        running.stop()
+
+
+def render(rows: list[dict], baseline: str, args, model_dir: Path, argv: list[str]) -> str:
+    base = {r["scenario"]: r for r in rows if r["target"] == baseline}
+    lines = [f"Machine: {machine()}. Model: `{model_dir.name}`.",
+             f"Command: `python bench/speculative.py {' '.join(argv)}`", "",
+             "| scenario | server | output tok/s | vs first | decode tok/s (median stream) | TTFT p50 | "
+             "accepted / proposed | errors |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(rows, key=lambda r: SCENARIOS.index(r["scenario"])):
+        ratio = r["output_tok_s"] / base[r["scenario"]]["output_tok_s"] if r["scenario"] in base else None
+        accept = f"{int(r['accepted'])} / {int(r['proposed'])}" if r.get("proposed") else "-"
+        decode = f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "-"
+        lines.append(f"| {r['scenario']} | `{r['target']}` | {r['output_tok_s']:.1f} | "
+                     f"{ratio:.2f}x | {decode} | {r['ttft_p50']:.2f} s | {accept} | {r['errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="mlx-lm model directory (default: the default model)")
+    parser.add_argument("--targets", nargs="+", default=["kvserve:--prompt-cache-disk-gb 0",
+                                                         "kvserve:--prompt-cache-disk-gb 0 --speculative ngram",
+                                                         "mlx_lm:"])
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--out", help="write the Markdown table here too")
+    args = parser.parse_args(argv)
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = set(scenarios) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {SCENARIOS}")
+    targets = [Target.parse(t) for t in args.targets]
+    rows = [row for t in targets for row in measure(t, model_dir, scenarios, args.max_tokens)]
+    table = render(rows, targets[0].label, args, model_dir, argv)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Speculative decoding through the real server and the real model (SmolLM2-135M-Instruct):
+a server with ``--speculative ngram`` answers exactly what one without it answers, streamed
+or not, greedy or seeded, with stop strings and max_tokens, and counts its proposals.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from servers import ServerProcess
+
+TEXT = (Path(__file__).resolve().parents[1] / "server/engine/data/eval-gpl-3.0.txt").read_text().split()
+PASSAGES = [" ".join(TEXT[200 + 150 * i : 200 + 150 * i + 120]) for i in range(4)]
+
+
+def copy_prompt(passage: str) -> str:
+    """The model copies the passage back: prompt lookup guesses most of its tokens."""
+    return f"Text:\n\n{passage}\n\nThe same text again:\n\n{' '.join(passage.split()[:6])}"
+
+
+@pytest.fixture(scope="module")
+def servers(default_model_dir, tmp_path_factory):
+    started = {}
+    for mode in ("off", "ngram"):
+        cache = tmp_path_factory.mktemp(f"spec-{mode}")
+        started[mode] = ServerProcess(default_model_dir, "--cache-dir", str(cache), "--speculative", mode,
+                                      "--prompt-cache-disk-gb", "0", "--max-batch-size", "4")
+    for proc in started.values():
+        proc.wait_ready()
+    yield started
+    for proc in started.values():
+        assert proc.stop() == 0, proc.output()
+
+
+def complete(server, **body):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    return client.completions.create(model="default", **body)
+
+
+def counters(server) -> dict[str, float]:
+    lines = httpx.get(f"{server.base_url}/metrics").text.splitlines()
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines
+            if line.startswith("kvserve_speculative_")}
+
+
+def test_four_concurrent_copies_equal_the_server_without_speculation(servers):
+    def run(mode: str) -> list:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            return list(pool.map(lambda p: complete(servers[mode], prompt=copy_prompt(p), max_tokens=60,
+                                                    temperature=0), PASSAGES))
+
+    before = counters(servers["ngram"])
+    plain, spec = run("off"), run("ngram")
+    after = counters(servers["ngram"])
+    assert [c.choices[0].text for c in spec] == [c.choices[0].text for c in plain]
+    assert [c.usage.completion_tokens for c in spec] == [c.usage.completion_tokens for c in plain]
+    accepted = after["kvserve_speculative_accepted_tokens_total"] - before["kvserve_speculative_accepted_tokens_total"]
+    proposed = after["kvserve_speculative_proposed_tokens_total"] - before["kvserve_speculative_proposed_tokens_total"]
+    assert 0 < accepted <= proposed
+    assert all(k not in counters(servers["off"]) or v == 0 for k, v in counters(servers["off"]).items())
+
+
+def test_a_stop_string_inside_accepted_tokens_ends_the_reply_there(servers):
+    """Several tokens arrive in one step; a stop string among them ends the reply at it and
+    the tokens after it are neither sent nor counted."""
+    passage = PASSAGES[0]
+    stop = " ".join(passage.split()[14:16])
+    replies = [complete(servers[m], prompt=copy_prompt(passage), max_tokens=60, temperature=0, stop=[stop])
+               for m in ("off", "ngram")]
+    assert replies[0].choices[0].finish_reason == "stop"
+    assert replies[1].choices[0].text == replies[0].choices[0].text
+    assert replies[1].usage.completion_tokens == replies[0].usage.completion_tokens
+
+
+def test_seeded_sampled_streams_equal_the_server_without_speculation(servers):
+    def stream(mode: str) -> str:
+        chunks = complete(servers[mode], prompt=copy_prompt(PASSAGES[1]), max_tokens=40, temperature=0.8,
+                          seed=7, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    assert stream("ngram") == stream("off")
