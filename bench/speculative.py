@@ -3,6 +3,11 @@ output repeats its context and where it does not?
 
     python bench/speculative.py [--targets "kvserve:" "kvserve:--speculative ngram" "mlx_lm:"]
         [--scenarios edit1,edit8,stories8] [--max-tokens 256] [--out docs/benchmarks/speculative.md]
+    python bench/speculative.py --costs [--context 1100]
+
+``--costs`` measures, in process, what ``position_cost`` in ``server/engine/speculation.py``
+is fitted to: the time of a forward of 1 and 8 rows at 1..5 positions, and of realigning 8
+rows that keep different counts (``trim_rows``).
 
 Scenarios, all on one model (the default unless ``--model``):
   edit1     one stream at a time: a ~900-token passage of the GPL, then "the same text with
@@ -123,6 +128,59 @@ def render(rows: list[dict], baseline: str, args, model_dir: Path, argv: list[st
     return "\n".join(lines) + "\n"
 
 
+def _median_ms(fn, reps: int = 7) -> float:
+    import time
+
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def costs(model_dir: Path, context: int) -> str:
+    """Forward time by rows and positions over ``context`` cached tokens, and the time of
+    realigning 8 rows, as a Markdown table."""
+    import mlx.core as mx
+
+    from kvserve.server.models.blas import enable_fast_blas
+
+    blas = enable_fast_blas()
+    from kvserve.cache import PromptCache, parse_scheme
+    from kvserve.configs import ModelConfig
+    from kvserve.server.engine.model_loader import load_model
+
+    model = load_model(ModelConfig(model=str(model_dir)), parse_scheme("fp16"), blas=blas.describe()).runner.model
+    lines = ["| rows | positions | forward ms | vs 1 position |", "| ---: | ---: | ---: | ---: |"]
+    for rows in (1, 8):
+        singles = []
+        for b in range(rows):
+            cache = PromptCache.for_model(model, "fp16")
+            model(mx.array([[100 + (7 * b + 13 * i) % 5000 for i in range(context)]]), cache=cache)
+            mx.eval(cache.state)
+            singles.append(cache)
+        batch = PromptCache.merge(singles)
+        one = None
+        for width in range(1, 6):
+            def forward():
+                mx.eval(mx.argmax(model(mx.array([[5] * width] * rows), cache=batch), axis=-1))
+                batch.trim(width)
+            ms = _median_ms(forward)
+            one = one or ms
+            lines.append(f"| {rows} | {width} | {ms:.1f} | {ms / one:.2f}x |")
+    shifts = [[0, 1, 2, 3, 0, 1, 2, 3], [3, 0, 2, 0, 1, 3, 0, 2]]
+
+    def realign():
+        batch.trim_rows(shifts[0])
+        mx.eval(batch.state)
+        shifts.reverse()
+
+    lines.append(f"\nRealigning 8 rows of {context} tokens (`trim_rows`, counts 0-3): "
+                 f"{_median_ms(realign):.1f} ms")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -133,8 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--out", help="write the Markdown table here too")
+    parser.add_argument("--costs", action="store_true", help="measure a verified position's cost instead")
+    parser.add_argument("--context", type=int, default=1100, help="cached tokens per row (--costs)")
     args = parser.parse_args(argv)
     model_dir = Path(args.model) if args.model else default_model_dir()
+    if args.costs:
+        print(f"Machine: {machine()}. Model: `{model_dir.name}`.\n\n{costs(model_dir, args.context)}")
+        return 0
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:

@@ -161,7 +161,7 @@ class _TurboMixin:
     def begin_decode(self) -> None:
         """Compress now: a verify chunk of several tokens would otherwise keep the raw
         phase (only a one-token call compresses), and the cache would decode unquantized."""
-        self.compress(reserve=16)
+        self.compress(reserve=16)  # room for a verify chunk (at most 16 positions)
 
     # --- update and attention ----------------------------------------------------------
 

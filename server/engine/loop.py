@@ -214,13 +214,13 @@ class Engine:
         """Feed a step's tokens (one, or accepted proposals then one) to a request's output;
         one event carries their text. Tokens after a stop are dropped and not counted."""
         request, parts = live.request, []
+        before = request.num_generated - len(tokens)  # the scheduler counted all of them
         for i, token in enumerate(tokens):
             self._time_token(live, now)
             text, stopped = live.output.add_token(token)
             parts.append(text)
-            ended = stopped or request.num_generated - (len(tokens) - 1 - i) >= request.params.max_tokens
-            if ended:
-                request.num_generated -= len(tokens) - 1 - i  # what came after the end never counts
+            if stopped or before + i + 1 >= request.params.max_tokens:
+                request.num_generated = before + i + 1  # what came after the end never counts
                 reason = FinishReason.STOP if stopped else FinishReason.LENGTH
                 tail = "" if stopped else live.output.finish()
                 self._finish(request, reason, "".join(parts) + tail, logprobs=logprobs)

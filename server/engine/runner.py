@@ -50,7 +50,7 @@ from kvserve.server.engine.fastpath import last_logits
 from kvserve.server.engine.grammar import Grammars
 from kvserve.server.engine.heap import heap_stats
 from kvserve.server.engine.request import Request
-from kvserve.server.engine.sampler import Draw, Pick, RequestSampler, draw_rows, sample_rows
+from kvserve.server.engine.sampler import Draw, Pick, RequestSampler, agreed, draw_rows, sample_rows
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
 from kvserve.server.engine.speculation import RowSpeculation, position_cost, verify_width
 
@@ -138,8 +138,7 @@ class VerifyStep:
                 out.append(([], drawn[b]))
                 continue
             if sampler.params.plain_greedy:
-                n = next((i for i, t in enumerate(guess) if argmax[b][i] != t), len(guess))
-                kept, token = guess[:n], argmax[b][n]
+                kept, token = agreed(argmax[b], guess)
             else:
                 kept, token = sampler.accept(self.logits[b, : len(guess) + 1], guess)
             for t in (*kept, token):
@@ -198,15 +197,13 @@ class ModelRunner:
             prompt_picks.update(self._prefill_together(together))
         self._ahead = self._queue_ahead(step, _ending(plan, prompt_picks))
         if isinstance(step, VerifyStep):
-            accepted, decoded = self._read_verified(step)
+            accepted, decoded, proposed = self._read_verified(step)
         else:
-            accepted, decoded = {}, self._read(step)
+            accepted, decoded, proposed = {}, self._read(step), {}
         self._record(accepted)
         picks = {**decoded, **prompt_picks}
         for request_id, pick in picks.items():
             self._tokens[request_id].extend((*accepted.get(request_id, ()), pick.token))
-        proposed = {r: len(g) for r, g in zip(step.rows, step.proposals) if g} \
-            if isinstance(step, VerifyStep) else {}
         return StepResult(prefilled=prefilled, sampled={r: p.token for r, p in picks.items()},
                           logprobs={r: p.logprob for r, p in picks.items() if p.logprob is not None},
                           cached=cached, accepted={r: a for r, a in accepted.items() if a},
@@ -384,25 +381,18 @@ class ModelRunner:
         exactly them, else a new forward (after undoing the queued one) that verifies the
         rows' proposals when they have any (at most ``drafts[r]`` each)."""
         planned = {r.request_id for r in requests}
-        try:
-            if self._ahead is not None and planned == set(self._rows):
-                step, self._ahead = self._ahead.narrow(self._rows).complete(), None
-                return step
-            self._undo_ahead()
-            if not requests:
-                return None
-            self._park([r for r in self._rows if r not in planned])
-            self._join([r.request_id for r in requests if r.request_id not in self._rows])
-            proposals = self._propose(drafts)
-            if any(proposals):
-                return self._verify(proposals)
-            return self._forward(mx.array([[self._last[r]] for r in self._rows]))  # (B, 1)
-        finally:
-            # After the decision: a row's proposals never depend on whether its step was
-            # queued ahead (alone) or not (beside a speculating row).
-            for r in planned & self._spec.keys():
-                if not self._spec[r].active:
-                    self._spec[r].tick()
+        if self._ahead is not None and planned == set(self._rows):
+            step, self._ahead = self._ahead.narrow(self._rows).complete(), None
+            return step
+        self._undo_ahead()
+        if not requests:
+            return None
+        self._park([r for r in self._rows if r not in planned])
+        self._join([r.request_id for r in requests if r.request_id not in self._rows])
+        proposals = self._propose(drafts)
+        if any(proposals):
+            return self._verify(proposals)
+        return self._forward(mx.array([[self._last[r]] for r in self._rows]))  # (B, 1)
 
     # ---- speculative decoding: proposals verified inside the batch ----------------------
     def _speculates(self, request_id: str) -> bool:
@@ -416,10 +406,14 @@ class ModelRunner:
         return self._speculates(request_id) and self._spec.setdefault(request_id, RowSpeculation()).active
 
     def _arm(self, rows: list[str]) -> None:
-        """Rows that will propose next step: active, and their tokens known so far (this
-        step's are not read yet) end in an earlier match. Text that does not repeat itself
-        rarely arms a row, so its steps keep being queued ahead; a row's arming depends on
-        its own tokens only, so it proposes at the same steps alone or in any batch."""
+        """Once per step, for the next one: paused rows count the step, then the rows that
+        will propose are those active whose tokens known so far (this step's are not read
+        yet) end in an earlier match. Text that does not repeat itself rarely arms a row, so
+        its steps keep being queued ahead; a row's arming depends on its own tokens only,
+        so it proposes at the same steps alone or in any batch."""
+        for r in rows:
+            if r in self._spec and not self._spec[r].active:
+                self._spec[r].tick()
         self._armed = {r for r in rows if self._proposing(r) and self._spec[r].index.propose(self._tokens[r], 1)}
 
     def _propose(self, drafts: dict[str, int]) -> list[list[int]]:
@@ -445,9 +439,9 @@ class ModelRunner:
         mx.async_eval(greedy)
         return VerifyStep(list(self._rows), proposals, logits, greedy)
 
-    def _read_verified(self, step: VerifyStep) -> tuple[dict[str, tuple[int, ...]], dict[str, Pick]]:
-        """Accept per row, drop each row's rejected (and padding) slots from every layer,
-        count the outcome for the adaptive rule."""
+    def _read_verified(self, step: VerifyStep) -> tuple[dict[str, tuple[int, ...]], dict[str, Pick], dict[str, int]]:
+        """Accept per row and drop each row's rejected (and padding) slots from every layer.
+        Returns the kept proposals, the picks after them and the proposals verified."""
         width = step.logits.shape[1]
         results = step.accept([self._samplers[r] for r in step.rows])
         assert self._rows[: len(step.rows)] == step.rows, "rows join the batch at its end"
@@ -457,7 +451,7 @@ class ModelRunner:
         for r, (kept, pick) in zip(step.rows, results):
             self._last[r] = pick.token
             accepted[r], picks[r] = tuple(kept), pick
-        return accepted, picks
+        return accepted, picks, {r: len(g) for r, g in zip(step.rows, step.proposals) if g}
 
     def _record(self, accepted: dict[str, tuple[int, ...]]) -> None:
         """Every row consulted this step (whether or not it guessed, whatever the step's

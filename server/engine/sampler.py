@@ -129,10 +129,21 @@ class RequestSampler:
                 keys.append((key, sub))
             picks = mx.concatenate([mx.random.categorical(scaled[i : i + 1], key=sub)
                                     for i, (_, sub) in enumerate(keys)]).tolist()
-        kept = next((i for i in range(k) if picks[i] != proposals[i]), k)
+        kept, token = agreed(picks, proposals)
         if not self.params.greedy:
-            self._key = keys[kept][0]  # kept + 1 tokens emitted: as many draws used
-        return list(proposals[:kept]), picks[kept]
+            self._key = keys[len(kept)][0]  # len(kept) + 1 tokens emitted: as many draws used
+        return kept, token
+
+def agreed(picks: Sequence[int], proposals: Sequence[int]) -> tuple[list[int], int]:
+    """The proposals that equal the picks at their positions, up to the first that does
+    not, and the pick that follows them (``picks`` has one more position).
+
+        >>> agreed([4, 7, 9], [4, 8])
+        ([4], 7)
+    """
+    n = next((i for i, (p, d) in enumerate(zip(picks, proposals)) if p != d), len(proposals))
+    return list(proposals[:n]), picks[n]
+
 
 @dataclass(frozen=True)
 class Draw:

@@ -38,12 +38,12 @@ RATE_DECAY = 0.8  # weight of the history in a row's acceptance rate
 
 def position_cost(rows: int) -> float:
     """What one more verified position costs, as a share of a one-token decode step of
-    ``rows`` rows, on a 2-core x86-64 VM with the default model (135M, dense f32, OpenBLAS).
-    One row: a 5-position forward takes 1.44x a 1-position one (0.11 a position). Eight rows
-    of ~1,000 tokens: besides a forward that turns compute-bound (2.5x at 5 positions), rows
-    that keep different counts are realigned (a copy of their caches, ~70 ms), and 8 copying
-    streams that kept 89% of 4 guesses still decoded at 0.78x (``bench/speculative.py``
-    edit8): a position costs at least 0.9 of a step there. Between the two, linear.
+    ``rows`` rows, fitted on a 2-core x86-64 VM with the default model (135M, dense f32,
+    OpenBLAS) at ~1,100 cached tokens (``python bench/speculative.py --costs``). One row: a
+    5-position forward takes 1.50x a 1-position one (0.125 a position). Eight rows: 2.90x
+    (0.475 a position), and rows that keep different counts are realigned, a copy of their
+    caches that takes 0.86 of a step; a position costs ~0.9 of a step there. Between the
+    two, linear.
 
         >>> round(position_cost(1), 3), round(position_cost(8), 3)
         (0.11, 0.901)
