@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kvserve.bench.cli import default_model_dir, machine
 from kvserve.bench.prefix import streamed_ttft
+from kvserve.bench.report import publish
 from kvserve.bench.targets import Running, Target
 from kvserve.server.http.conversation import render_messages
 from kvserve.server.http.tools import ToolFormat
@@ -161,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = None if args.skip_peer else session(Target.parse("mlx_lm:"), model_dir, args.turns,
                                                args.restart_after, args.prompt_tokens)
     report = render(ours, peer, args, model_dir, argv)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    publish(report, args.out)
     return 0
 
 

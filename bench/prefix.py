@@ -32,6 +32,7 @@ import httpx
 
 from kvserve.bench.cli import default_model_dir, machine, make_prompts
 from kvserve.bench.load import chat_bodies
+from kvserve.bench.report import publish
 from kvserve.bench.targets import Running, Target
 
 QUESTIONS = ["What is this text about?", "Who does it protect?", "Name one obligation it creates.",
@@ -141,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:  # the temporary directory is no part of the label readers compare
         r["label"] = r["label"].split(" --prompt-cache-dir")[0]
     report = render(rows, args, model_dir, argv)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    publish(report, args.out)
     return 0
 
 

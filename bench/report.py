@@ -11,6 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+def publish(text: str, out: str | None) -> None:
+    """Print a benchmark's page, and write it to ``out`` when given."""
+    print(text)
+    if out:
+        Path(out).write_text(text)
+
+
 HEADER = ("| server | output tok/s | vs baseline | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
           "| ITL p50 / p99 (ms) | E2E p50 / p99 (s) | errors |")
 

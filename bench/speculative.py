@@ -33,6 +33,7 @@ import httpx
 
 from kvserve.bench.cli import default_model_dir, machine
 from kvserve.bench.load import run_load
+from kvserve.bench.report import publish
 from kvserve.bench.targets import Running, Target
 
 SCENARIOS = ("edit1", "edit8", "stories8")
@@ -205,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = [Target.parse(t) for t in args.targets]
     rows = [row for t in targets for row in measure(t, model_dir, scenarios, args.max_tokens)]
     table = render(rows, targets[0].label, args, model_dir, argv)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table)
+    publish(table, args.out)
     return 0
 
 

@@ -36,6 +36,7 @@ import jsonschema
 import openai
 
 from kvserve.bench.cli import default_model_dir, machine
+from kvserve.bench.report import publish
 from kvserve.bench.targets import Running, Target
 
 WEATHER = {"type": "object", "properties": {
@@ -161,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
              "| check | valid | cut by max_tokens | complete but invalid |", "|---|---|---|---|"]
     lines += [f"| {name} | {c['valid']} of {args.requests} | {c['cut']} | {c['invalid']} |" for name, c in rows]
     report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    publish(report, args.out)
     return 0 if all(c["valid"] == args.requests for _, c in rows) else 1
 
 

@@ -2,15 +2,23 @@
 
 A target is written ``kind[:args]``: ``kvserve:--kv-scheme affine4`` runs
 ``kvserve serve --model DIR --kv-scheme affine4``; ``mlx_lm:--kv-bits 4`` runs
-``mlx_lm.server --model DIR --kv-bits 4`` through ``kvserve.bench.mlx_lm_peer``.
+``mlx_lm.server --model DIR --kv-bits 4`` through ``kvserve.bench.mlx_lm_peer``;
+``kvserve-tp2:ARGS`` runs ``kvserve serve --distributed ARGS`` as two processes on this
+machine, joined by MLX's ring backend over loopback (as ``mlx.launch -n 2`` starts them).
 
     >>> t = Target.parse("mlx_lm:--kv-bits 4")
     >>> (t.kind, t.args, t.label)
     ('mlx_lm', ('--kv-bits', '4'), 'mlx_lm.server --kv-bits 4')
+    >>> t = Target.parse("kvserve-tp2:--kv-scheme affine4")
+    >>> (t.kind, t.world, t.label)
+    ('kvserve', 2, 'kvserve serve --distributed (2 processes) --kv-scheme affine4')
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shlex
 import socket
 import subprocess
@@ -29,24 +37,31 @@ KINDS = ("kvserve", "mlx_lm")
 class Target:
     kind: str
     args: tuple[str, ...] = ()
+    world: int = 1  # processes of one split model (kvserve --distributed)
 
     @classmethod
     def parse(cls, spec: str) -> Target:
         kind, _, rest = spec.partition(":")
-        if kind not in KINDS:
-            raise ValueError(f"unknown target kind {kind!r} in {spec!r}; one of {KINDS}")
+        split = re.fullmatch(r"kvserve-tp(\d+)", kind)
+        if kind not in KINDS and not split:
+            raise ValueError(f"unknown target kind {kind!r} in {spec!r}; one of {KINDS} or kvserve-tpN")
+        if split:
+            return cls("kvserve", tuple(shlex.split(rest)), int(split.group(1)))
         return cls(kind, tuple(shlex.split(rest)))
 
     @property
     def label(self) -> str:
         name = "kvserve serve" if self.kind == "kvserve" else "mlx_lm.server"
+        if self.world > 1:
+            name += f" --distributed ({self.world} processes)"
         return " ".join([name, *self.args])
 
     def command(self, model_dir: Path | None, port: int) -> list[str]:
         """The server's command line; without ``model_dir`` kvserve serves its default model."""
         model = ["--model", str(model_dir)] if model_dir is not None else []
         if self.kind == "kvserve":
-            return [sys.executable, "-m", "kvserve.server.cli", "serve", *model,
+            split = ["--distributed"] if self.world > 1 else []
+            return [sys.executable, "-m", "kvserve.server.cli", "serve", *split, *model,
                     "--port", str(port), "--log-level", "warning", *self.args]
         return [sys.executable, "-m", "kvserve.bench.mlx_lm_peer", *model,
                 "--port", str(port), "--log-level", "WARNING", *self.args]
@@ -66,14 +81,26 @@ class Running:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-bench-", suffix=".log")
-        self.proc = subprocess.Popen(target.command(model_dir, self.port), stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        command = target.command(model_dir, self.port)
+        self.procs = [subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+                      for env in self._ring_env(target.world)]
+        self.proc = self.procs[0]
         self._wait(timeout)
+
+    def _ring_env(self, world: int) -> list[dict | None]:
+        """Each process's environment: ``MLX_RANK`` and a loopback ``MLX_HOSTFILE`` for a split model."""
+        if world == 1:
+            return [None]
+        self.hostfile = tempfile.NamedTemporaryFile("w", prefix="kvserve-ring-", suffix=".json")
+        json.dump([[f"127.0.0.1:{free_port()}"] for _ in range(world)], self.hostfile)
+        self.hostfile.flush()
+        return [{**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": self.hostfile.name} for r in range(world)]
 
     def _wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if any(p.poll() is not None for p in self.procs):
+                self.stop()
                 raise RuntimeError(f"{self.target.label} exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
@@ -98,13 +125,15 @@ class Running:
         return self.log.read()[-4000:]
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit code."""
+        """SIGTERM (to rank 0 of a split model: it stops the others), then SIGKILL after
+        ``timeout`` seconds; returns rank 0's exit code."""
         if self.proc.poll() is None:
             self.proc.terminate()
+        for p in self.procs:
             try:
-                self.proc.wait(timeout)
+                p.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                p.kill()
+                p.wait()
         self.log.close()
         return self.proc.returncode

@@ -68,6 +68,9 @@ class EngineConfig:
     # ``num_draft_tokens`` proposals in one forward.
     speculative: str = "off"
     num_draft_tokens: int = 4
+    # Split the model across the processes ``mlx.launch`` started (tensor parallel over
+    # mx.distributed): rank 0 serves HTTP and plans, every rank computes its shard.
+    distributed: bool = False
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_tokens <= self.max_tokens_limit,
@@ -177,6 +180,22 @@ def blas_settings() -> BlasSettings:
     return BlasSettings(enabled=flag not in ("0", "false", "no", "off"),
                         threads=int(threads) if threads else None,
                         compiler=os.environ.get("CC") or None)
+
+
+def ring_hosts() -> tuple[int, list[list[str]]] | None:
+    """This process's rank and each rank's ``"ip:port"`` addresses, from what ``mlx.launch
+    --backend ring`` sets (``MLX_RANK``; ``MLX_HOSTFILE``, JSON: one list of addresses per
+    rank); None when the process was not started so, or the file cannot be read."""
+    import json
+
+    rank, hostfile = os.environ.get("MLX_RANK", ""), os.environ.get("MLX_HOSTFILE", "")
+    if not rank.isdigit() or not hostfile:
+        return None
+    try:
+        ring = json.loads(Path(hostfile).read_text())
+        return int(rank), [[str(a) for a in addresses] for addresses in ring]
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def preset_path(name: str) -> Path:

@@ -59,6 +59,19 @@ def random_llama(seed: int):
     return model
 
 
+def wait_healthy(base_url: str, exited, timeout: float) -> bool:
+    """Poll ``/health`` until it answers 200 (True), ``exited()`` or the time is up (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not exited():
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 class ServerProcess:
     """``kvserve serve`` in a subprocess on a free loopback port; stopped with SIGTERM."""
 
@@ -73,16 +86,10 @@ class ServerProcess:
                                      env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 300) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if wait_healthy(self.base_url, lambda: self.proc.poll() is not None, timeout):
+            return self
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
         self.stop()
         raise RuntimeError(f"server not ready after {timeout} s:\n{self.output()}")
 
@@ -105,3 +112,73 @@ class ServerProcess:
             self._final_output = self.output()
             self.log.close()
         return self.proc.returncode
+
+
+class DistributedServer:
+    """``kvserve serve --distributed`` as ``world`` processes on loopback (the ring backend),
+    started as ``mlx.launch`` starts them (``MLX_RANK``, ``MLX_HOSTFILE``) so each rank is a
+    process of its own here: rank 0 serves HTTP; ``ranks[r]`` is rank r's process.
+    ``launcher=True`` starts them through ``mlx.launch`` itself (one process here)."""
+
+    def __init__(self, model: Path | str, *extra: str, world: int = 2, launcher: bool = False):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+        serve = ["serve", "--distributed", "--model", str(model), "--port", str(self.port),
+                 "--log-level", "warning", *extra]
+        self.launcher = launcher
+        self.logs = [open(tmp / f"kvserve-{self.port}-rank{r}.log", "w+") for r in range(1 if launcher else world)]
+        if launcher:
+            launch = Path(sys.executable).parent / "mlx.launch"
+            cmd = [str(launch), "-n", str(world), "--backend", "ring", "--starting-port", str(free_port()),
+                   "--", str(Path(sys.executable).parent / "kvserve"), *serve]
+            self.ranks = [subprocess.Popen(cmd, stdout=self.logs[0], stderr=subprocess.STDOUT)]
+            return
+        hostfile = tmp / f"kvserve-{self.port}-hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(world)]))
+        self.ranks = [subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", *serve], stdout=log,
+                                       stderr=subprocess.STDOUT,
+                                       env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)})
+                      for r, log in enumerate(self.logs)]
+
+    def wait_ready(self, timeout: float = 300) -> "DistributedServer":
+        if wait_healthy(self.base_url, lambda: any(p.poll() is not None for p in self.ranks), timeout):
+            return self
+        self.stop()
+        raise RuntimeError(f"not ready after {timeout} s, or a rank exited:\n{self.output()}")
+
+    def output(self, rank: int | None = None) -> str:
+        out = []
+        for r, log in enumerate(self.logs):
+            if rank is None or r == rank:
+                log.flush()
+                log.seek(0)
+                out.append(log.read())
+        return "\n".join(out)
+
+    def wait_exit(self, timeout: float) -> list[int | None]:
+        """Each rank's exit code after at most ``timeout`` seconds (None: still running)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.ranks):
+            time.sleep(0.1)
+        return [p.poll() for p in self.ranks]
+
+    def pid(self, rank: int) -> int:
+        """A rank's process id, as it printed it at start-up."""
+        import re
+
+        return int(re.search(rf"rank {rank} of \d+, pid (\d+)", self.output()).group(1))
+
+    def stop(self) -> list[int | None]:
+        """SIGTERM to rank 0 (it tells the others to finish); any rank left after 30 s is killed."""
+        if self.ranks[0].poll() is None:
+            if self.launcher:  # mlx.launch itself would die at once and leave the ranks running
+                os.kill(self.pid(0), 15)
+            else:
+                self.ranks[0].terminate()
+        codes = self.wait_exit(30)
+        for p in self.ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        return codes

@@ -59,6 +59,7 @@ SEEDED = replace(SEEDED, values=replace(SEEDED.values, seed=44))
     (Namespace("model-fp", "tok-hash", "affine4"), None, "scheme"),  # group 64, not 32
     (Namespace("model-fp", "tok-hash", "affine4-g32", quantize_after=256), None, "scheme_params"),
     (Namespace("model-fp", "tok-hash", "affine4-g32", layout="window512*5,kv"), None, "layout"),
+    (Namespace("model-fp", "tok-hash", "affine4-g32", shard="tp2:rank0:even"), None, "shard"),
     (NS, {"user.prefix_version": "2"}, "version"),
     (NS, {"format_version": "9"}, "version"),
 ])

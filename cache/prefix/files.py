@@ -21,6 +21,8 @@ the prefix cache adds:
                           keys and values, calibration, boundary layers ("scheme_params")
     user.quantize_after   fp16 threshold of the container         ("scheme_params")
     user.layout           layer kinds in order, e.g. window512*5,kv  ("layout")
+    user.shard            a sharded model's part: world size, rank, split, e.g.
+                          tp2:rank1:kv_heads=2+1; "" for one process ("shard")
     user.num_tokens       tokens stored (the caches' offset)
     user.tokens           the token ids, base64 of little-endian uint32
     user.tokens_digest    sha256 hex of those bytes
@@ -81,7 +83,7 @@ NP_DTYPES = {"F16": "<f2", "BF16": "<u2", "F32": "<f4", "F64": "<f8", "U8": "u1"
 # Why a file is not loaded. The first three mean the file is damaged: it is deleted.
 # The others mean it belongs to another server or build: it is kept, never loaded.
 DAMAGED = ("truncated", "corrupt", "checksum")
-FOREIGN = ("version", "model", "tokenizer", "scheme", "scheme_params", "layout")
+FOREIGN = ("version", "model", "tokenizer", "scheme", "scheme_params", "layout", "shard")
 REASONS = DAMAGED + FOREIGN
 
 _temp_counter = itertools.count()
@@ -109,6 +111,8 @@ def entry_metadata(ns: Namespace, tokens: Sequence[int], floor: int,
     md = {"format": FORMAT, "format_version": FORMAT_VERSION, **layers}
     md.update({f"user.{k}": ident[k] for k in ("prefix_version", "model", "tokenizer", "scheme",
                                                 "scheme_params", "quantize_after", "layout")})
+    if ns.shard:
+        md["user.shard"] = ns.shard
     md.update({"user.num_tokens": str(len(tokens)), "user.tokens": base64.b64encode(raw).decode(),
                "user.tokens_digest": hashlib.sha256(raw).hexdigest(), "user.floor": str(floor)})
     return md
@@ -281,12 +285,13 @@ def check_identity(header: Header, ns: Namespace, name: str) -> None:
 
 
 def _check_namespace(md: dict[str, str], ns: Namespace) -> None:
-    ident = ns.identity()
+    ident = {"shard": "", **ns.identity()}
     for field, reason in (("model", "model"), ("tokenizer", "tokenizer"), ("scheme", "scheme"),
                           ("scheme_params", "scheme_params"), ("quantize_after", "scheme_params"),
-                          ("layout", "layout")):
-        if md.get(f"user.{field}") != ident[field]:
-            raise FileRefused(reason, f"{field} {md.get(f'user.{field}')!r}, this server has {ident[field]!r}")
+                          ("layout", "layout"), ("shard", "shard")):
+        found = md.get(f"user.{field}", "" if field == "shard" else None)
+        if found != ident[field]:
+            raise FileRefused(reason, f"{field} {found!r}, this server has {ident[field]!r}")
 
 
 def read_tensors(path: Path, ns: Namespace) -> tuple[Header, dict[str, np.ndarray]]:

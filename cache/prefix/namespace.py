@@ -4,8 +4,10 @@ A ``Namespace`` is everything besides the token ids that decides the KV values: 
 (weights and configuration, as a fingerprint), the tokenizer, the full KV scheme with every
 parameter, ``quantize_after`` (which tokens a container holds in fp16) and the layout of
 layer kinds (``PromptCache.layout``, e.g. ``kv,window16*3,kv``: full attention, sliding
-windows, recurrent state). Entries of one namespace never serve another: files record it and
-are refused on any difference, with the field that differs as the reason.
+windows, recurrent state). A server split across processes adds ``shard``, this process's part
+of the model (``tp2:rank1:kv_heads=2+1``): each rank keeps its own part of every entry, and a
+part never serves another layout. Entries of one namespace never serve another: files record
+it and are refused on any difference, with the field that differs as the reason.
 
     >>> from kvserve.cache.scheme import parse_scheme
     >>> ns = Namespace(model="m1", tokenizer="t1", scheme=parse_scheme("affine4-g32"))
@@ -76,6 +78,7 @@ class Namespace:
     scheme: KVScheme
     quantize_after: int = 0
     layout: str = ""
+    shard: str = ""  # a sharded model's part (world size, rank, split); "" for one process
 
     def __post_init__(self):
         if isinstance(self.scheme, str):
@@ -86,11 +89,15 @@ class Namespace:
             raise ValueError("quantize_after must be >= 0")
 
     def identity(self) -> dict[str, str]:
-        """The fields every file records and every load compares, as strings."""
-        return {"prefix_version": PREFIX_VERSION, "model": self.model, "tokenizer": self.tokenizer,
-                "scheme": self.scheme.name,
-                "scheme_params": json.dumps(self.scheme.params(), sort_keys=True),
-                "quantize_after": str(self.quantize_after), "layout": self.layout}
+        """The fields every file records and every load compares, as strings. ``shard`` is
+        there only when set, so the names of one process's entries stay what they were."""
+        out = {"prefix_version": PREFIX_VERSION, "model": self.model, "tokenizer": self.tokenizer,
+               "scheme": self.scheme.name,
+               "scheme_params": json.dumps(self.scheme.params(), sort_keys=True),
+               "quantize_after": str(self.quantize_after), "layout": self.layout}
+        if self.shard:
+            out["shard"] = self.shard
+        return out
 
     @property
     def digest(self) -> str:

@@ -32,6 +32,12 @@ Sink = Callable[[TokenEvent], None]
 STUCK_AFTER_S = 120.0
 
 
+class EngineDown(RuntimeError):
+    """The engine cannot serve any more (a process of a split model is gone, or the processes
+    disagree): raised by a runner, it fails every request and ends the engine thread. Raised
+    by ``submit`` afterwards, the HTTP layer answers 503."""
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """What the loader hands the engine: the runner, the tokenizer and facts for clients."""
@@ -63,6 +69,8 @@ class Engine:
         self._lock = threading.Lock()
         self._inflight = 0
         self._busy_since: float | None = None
+        self._down: str | None = None  # why the engine stopped serving (EngineDown)
+        self._down_event = threading.Event()
         self.model: LoadedModel | None = None
         # submit() bounds what is in flight; the inbox may hand the scheduler all of it at
         # once, before a step admits any, so its waiting queue holds that whole bound.
@@ -87,6 +95,8 @@ class Engine:
         tell them apart by ``request_id``); raises ``QueueFull`` when there is no room."""
         size = 1 + len(request.forks)
         with self._lock:
+            if self._down is not None:
+                raise EngineDown(self._down)
             if self._inflight + size > self.config.max_queued_requests + self.scheduler.max_running:
                 raise QueueFull(f"{self._inflight} requests are already in flight")
             self._inflight += size
@@ -104,6 +114,8 @@ class Engine:
         return not self._thread.is_alive()
 
     def health(self) -> tuple[bool, str]:
+        if self._down is not None:
+            return False, self._down
         if not self._thread.is_alive():
             return False, "engine thread is not running"
         busy = self._busy_since
@@ -114,6 +126,31 @@ class Engine:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    @property
+    def down(self) -> str | None:
+        """Why the engine stopped serving, or None (``EngineDown``)."""
+        return self._down
+
+    def wait_down(self) -> str:
+        """Block until the engine goes down; returns why."""
+        self._down_event.wait()
+        return self._down
+
+    def fail_now(self, reason: str) -> None:
+        """From any thread, when the engine thread may never come back (a process of a split
+        model died while this one waited on it): every live request ends with ``reason``,
+        /health answers 503, ``submit`` refuses, ``wait_down`` returns."""
+        with self._lock:
+            if self._down is not None:
+                return
+            self._down = reason
+        log.error("engine down: %s", reason)
+        for live in list(self._live.values()):
+            usage = Usage(live.request.num_prompt_tokens, live.request.num_generated, live.request.num_prefix_cached)
+            live.sink(TokenEvent(live.request.request_id, "", finish_reason=FinishReason.ERROR, usage=usage,
+                                 error=reason))
+        self._down_event.set()
 
     # ---- engine thread ----------------------------------------------------------------
     def _main(self) -> None:
@@ -130,6 +167,8 @@ class Engine:
         self._ready.set()
         try:
             self._run()
+        except EngineDown as exc:
+            self._go_down(str(exc))
         finally:
             self.model.runner.close()
 
@@ -148,6 +187,8 @@ class Engine:
             started = self._busy_since = time.monotonic()
             try:
                 result = self.model.runner.execute(plan)
+            except EngineDown:
+                raise
             except Exception as exc:  # fail the step's requests, keep serving others
                 log.exception("engine step failed")
                 self._fail_running(f"engine error: {type(exc).__name__}: {exc}")
@@ -159,11 +200,33 @@ class Engine:
             self._emit(result)
             self._observe(plan, result)
 
+    def _go_down(self, reason: str) -> None:
+        """Fail every request, running, waiting or still in the inbox; refuse new ones."""
+        with self._lock:
+            told, self._down = self._down is not None, self._down or reason
+        if told:  # fail_now already ended every request
+            self._down_event.set()
+            return
+        log.error("engine down: %s", reason)
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            if request.request_id in self._live:
+                self._finish(request, FinishReason.ERROR, "", error=reason)
+        try:
+            while True:
+                command = self._inbox.get_nowait()
+                if command[0] == "submit":
+                    self._admit(command[1], command[2])
+                    self._finish(command[1], FinishReason.ERROR, "", error=reason)
+        except queue.Empty:
+            pass
+        self._down_event.set()
+
     def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued commands; returns True when asked to stop."""
+        """Apply queued commands; returns True when asked to stop. While idle, waits at most
+        the runner's ``heartbeat_s`` (a split model's processes check on each other)."""
         stop = False
         try:
-            command = self._inbox.get(block=block)
+            command = self._inbox.get(block=block, timeout=self.model.runner.heartbeat_s if block else None)
             while True:
                 stop |= self._apply(command)
                 command = self._inbox.get_nowait()
@@ -270,6 +333,7 @@ class Engine:
         m.draft_accepted += sum(len(a) for a in result.accepted.values())
         m.waiting, m.running = len(self.scheduler.waiting), len(self.scheduler.running)
         m.kv_bytes, m.swapped = runner.kv_bytes, runner.swapped_requests
+        m.kv_bytes_by_rank = runner.kv_bytes_by_rank
         if runner.prefix is not None:
             m.prefix = runner.prefix.stats()
 

@@ -94,6 +94,7 @@ class EngineMetrics:
         self.waiting = 0
         self.running = 0
         self.kv_bytes = 0
+        self.kv_bytes_by_rank: dict[int, int] = {}  # a model split across processes: each one's
         self.swapped = 0
         # ModelRunner.memory, read at each render: allocator counters need no engine step.
         self.memory: Callable[[], dict[str, int]] = dict
@@ -115,6 +116,8 @@ class EngineMetrics:
                      self.swapped),
             *_metric("kvserve_kv_cache_bytes", "gauge", "Bytes allocated by the KV caches of live requests.",
                      self.kv_bytes, scheme),
+            *_by_rank("kvserve_kv_cache_rank_bytes", "Bytes of KV caches held by each process of a split model.",
+                      self.kv_bytes_by_rank, scheme),
             *_metric("kvserve_prompt_tokens_total", "counter", "Prompt tokens computed (cached ones not).",
                      self.prompt_tokens),
             *_metric("kvserve_generation_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
@@ -137,6 +140,18 @@ class EngineMetrics:
 
 def _metric(name: str, kind: str, help: str, value: float, labels: dict[str, str] | None = None) -> list[str]:
     return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name}{_labels(labels or {})} {_num(value)}"]
+
+
+def _by_rank(name: str, help: str, values: dict[int, int], labels: dict[str, str]) -> list[str]:
+    """A gauge per process rank (nothing for one process).
+
+    >>> _by_rank("b", "Bytes.", {0: 5, 1: 3}, {"kv_scheme": "fp16"})[2:]
+    ['b{kv_scheme="fp16",rank="0"} 5', 'b{kv_scheme="fp16",rank="1"} 3']
+    """
+    if not values:
+        return []
+    return [f"# HELP {name} {help}", f"# TYPE {name} gauge",
+            *(f"{name}{_labels({**labels, 'rank': str(r)})} {_num(v)}" for r, v in sorted(values.items()))]
 
 
 def _by_label(name: str, help: str, label: str, values: dict[str, float]) -> list[str]:

@@ -8,6 +8,7 @@ every array the model owns is created by the thread that will use it.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -22,25 +23,33 @@ log = logging.getLogger("kvserve.engine")
 
 def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
                 progress: Callable[[str], None] | None = None, cache: CacheConfig | None = None,
-                speculative: str = "off"):
+                speculative: str = "off", group=None):
     """Returns a zero-argument loader for ``Engine``; ``blas`` describes the active BLAS;
-    ``cache`` sizes the prefix cache (None: no prefix cache); ``speculative`` the proposer."""
+    ``cache`` sizes the prefix cache (None: no prefix cache); ``speculative`` the proposer;
+    ``group``: rank 0 of a model split across processes (its runner leads the others)."""
 
     def load() -> LoadedModel:
-        return load_model(config, scheme, blas, progress, cache, speculative)
+        loaded = load_model(config, scheme, blas, progress, cache, speculative, group)
+        if group is None:
+            return loaded
+        from kvserve.server.engine.distributed import Channel, LeaderRunner
+
+        return replace(loaded, runner=LeaderRunner(loaded.runner, Channel(group)))
 
     return load
 
 
 def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                progress: Callable[[str], None] | None = None,
-               cache: CacheConfig | None = None, speculative: str = "off") -> LoadedModel:
+               cache: CacheConfig | None = None, speculative: str = "off", group=None) -> LoadedModel:
+    """The model (this rank's shard of it with ``group``), its runner and prefix cache."""
     from kvserve.server.engine.fastpath import install_table_rope
     from kvserve.server.engine.grammar import Grammars
     from kvserve.server.engine.runner import ModelRunner
 
     bundle = load_bundle(config, kv_scheme=scheme.name, blas=blas, progress=progress,
-                         check=lambda model: _check_servable(model, scheme, model_id_for(config.model, config.model)))
+                         check=lambda model: _check_servable(model, scheme, model_id_for(config.model, config.model)),
+                         group=group)
     install_table_rope(bundle.model)
     layout = _layout(bundle.model, scheme)
     if speculative != "off" and "state" in layout:
@@ -50,16 +59,24 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     swap_dir.mkdir(parents=True, exist_ok=True)
     prefix = None
     if cache is not None and cache.prefix_enabled:
-        prefix = open_prefix_cache(cache, config, bundle.info.source, bundle.tokenizer, scheme, layout)
+        prefix = open_prefix_cache(cache, config, bundle.info.source, bundle.tokenizer, scheme, layout,
+                                   bundle.info.shard, bundle.info.kv_share)
+        if group is not None:
+            from kvserve.server.engine.distributed import AgreedPrefix
+
+            prefix = AgreedPrefix(prefix, group)
     grammars = Grammars(bundle.tokenizer, bundle.info.vocab_size)
     runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, speculative)
     return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars)
 
 
 def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer, scheme: KVScheme,
-                      layout: str = ""):
+                      layout: str = "", shard: str = "", share: float = 1.0):
     """The prefix cache of this model, tokenizer and scheme, its files in one directory per
-    namespace. The weight format measured at start-up is no part of the namespace: every
+    namespace. Each rank of a split model (``shard``) keeps its part of every entry in its own
+    directory (``rank<r>`` under a ``prompt_cache_dir``): ranks never evict each other's
+    files as foreign. The budgets are the whole model's: each rank takes its ``share`` (of
+    the KV heads), so ranks with unequal parts still evict the same entries. The weight format measured at start-up is no part of the namespace: every
     format computes with the same weight values (dense f32 is the exact dequantization of the
     stored ones), so K/V computed under one differ from another's by float rounding only, as
     a batched row's do from a lone one's; and the measurement may pick another format after
@@ -67,13 +84,15 @@ def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer
     from kvserve.cache.prefix import Namespace, PrefixCache, model_fingerprint, tokenizer_hash
 
     ns = Namespace(model=model_fingerprint(source), tokenizer=tokenizer_hash(tokenizer),
-                   scheme=scheme, layout=layout)
+                   scheme=scheme, layout=layout, shard=shard)
     disk_dir = None
     if cache.prompt_cache_disk_gb > 0:
         disk_dir = Path(cache.prompt_cache_dir).expanduser() if cache.prompt_cache_dir \
             else config.resolved_cache_dir() / "prompt-cache" / ns.key
-    prefix = PrefixCache(ns, ram_bytes=int(cache.prompt_cache_ram_gb * 2**30), disk_dir=disk_dir,
-                         disk_bytes=int(cache.prompt_cache_disk_gb * 2**30))
+        if shard and cache.prompt_cache_dir:
+            disk_dir = disk_dir / shard.split(":")[1]
+    prefix = PrefixCache(ns, ram_bytes=int(cache.prompt_cache_ram_gb * share * 2**30), disk_dir=disk_dir,
+                         disk_bytes=int(cache.prompt_cache_disk_gb * share * 2**30))
     stats = prefix.stats()
     log.info("prefix cache: %.1f GiB RAM, %s; %d entries found on disk",
              cache.prompt_cache_ram_gb, f"{cache.prompt_cache_disk_gb:.1f} GiB in {disk_dir}"

@@ -150,6 +150,9 @@ class VerifyStep:
 class ModelRunner:
     """Holds the model, the caches and samplers of live requests; runs on the engine thread."""
 
+    heartbeat_s: float | None = None  # a runner that must hear from the engine while idle says how often
+    kv_bytes_by_rank: dict[int, int] = {}  # a model split across processes: each one's KV bytes
+
     def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None, prefix=None,
                  grammars: Grammars | None = None, speculative: str = "off"):
         self.model = model

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.configs import EngineConfig
 from kvserve.server.engine.grammar import Grammar
-from kvserve.server.engine.loop import Engine
+from kvserve.server.engine.loop import Engine, EngineDown
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.scheduler import QueueFull
 from kvserve.server.http.errors import APIError, error_body
@@ -112,6 +112,8 @@ def submit(engine: Engine, body: SamplingFields, tokens: list[int], http_request
     except QueueFull:
         raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
                        headers={"Retry-After": "1"}) from None
+    except EngineDown as exc:
+        raise APIError(503, f"the engine is down: {exc}", code="engine_down") from None
 
     def abort() -> None:
         for member in members:

@@ -29,10 +29,13 @@ class ModelInfo:
     blas: str
     kv_scheme: str
     vocab_size: int = 0  # rows of the embedding: token ids (prompt, logit_bias) stay below
+    shard: str = ""  # split across processes: "tp2:rank0:kv_heads=2+1,mlp=768+768"; "" for one
+    kv_share: float = 1.0  # this process's share of the model's KV heads
 
     def describe(self) -> str:
+        split = f", tensor parallel {self.shard}" if self.shard else ""
         return (f"{self.model_id}: context {self.context_length}, {self.weight_format}, "
-                f"{self.blas}, KV scheme {self.kv_scheme}")
+                f"{self.blas}, KV scheme {self.kv_scheme}{split}")
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class ModelBundle:
 
 def load_bundle(config: ModelConfig, *, kv_scheme: str = "", blas: str = "",
                 progress: Callable[[str], None] | None = None,
-                check: Callable[[Any], None] | None = None) -> ModelBundle:
+                check: Callable[[Any], None] | None = None, group=None) -> ModelBundle:
     """Resolve ``config.model``, load it with mlx-lm and convert its weights to the format
     measured fastest (or the one ``config.weight_format`` names).
 
@@ -73,7 +76,15 @@ def load_bundle(config: ModelConfig, *, kv_scheme: str = "", blas: str = "",
     if check is not None:
         check(model)
     choice = choose_weight_format(model, config.weight_format)
+    shard, share = "", 1.0
+    if group is not None:
+        choice = _agree(choice, group)
     apply_weight_format(model, choice)
+    if group is not None:
+        from kvserve.server.models.shard import shard_model
+
+        split, share = shard_model(model, group)
+        shard = f"tp{group.size()}:rank{group.rank()}:{split}"
     info = ModelInfo(
         model_id=model_id_for(config.model, source),
         source=str(source),
@@ -82,9 +93,27 @@ def load_bundle(config: ModelConfig, *, kv_scheme: str = "", blas: str = "",
         blas=blas,
         kv_scheme=kv_scheme,
         vocab_size=_vocab_size(model_config, tokenizer),
+        shard=shard,
+        kv_share=share,
     )
     log.info("model ready: %s", info.describe())
     return ModelBundle(model=model, tokenizer=tokenizer, config=model_config, info=info)
+
+
+def _agree(choice, group):
+    """Rank 0's weight format on every rank: ranks that computed in different formats would
+    round differently and sample different tokens."""
+    import mlx.core as mx
+
+    from kvserve.server.models.weights import FORMATS, WeightChoice
+
+    try:
+        picked = mx.distributed.all_gather(mx.array([FORMATS.index(choice.name)]), group=group).tolist()[0]
+    except RuntimeError as exc:  # another process failed to load and left
+        raise ModelLoadError(f"rank {group.rank()}: lost the other processes while loading: {exc}") from None
+    if FORMATS[picked] == choice.name:
+        return choice
+    return WeightChoice(FORMATS[picked], "rank 0's measurement", {}, choice.device)
 
 
 def _vocab_size(model_config: dict, tokenizer) -> int:
