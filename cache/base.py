@@ -121,6 +121,17 @@ class _Buffered:
     def empty(self) -> bool:
         return self._buf.parts is None
 
+    # mlx-lm's pipelined models tie the hand-off of their hidden state to the last layer's
+    # cache (``cache[-1].keys = mx.depends(cache[-1].keys, h)``), so that evaluating the
+    # cache runs the send: the first stored part stands in for "keys".
+    @property
+    def keys(self) -> mx.array | None:
+        return self._buf.parts[0] if self._buf.parts is not None else None
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self._buf.parts[0] = value
+
 
 class StoredKVCache(_Buffered):
     """One sequence's cache (B = 1); its encoded K/V parts live in one ``GrowableBuffer``.

@@ -95,6 +95,14 @@ class _Sliding:
     def empty(self) -> bool:
         return self.inner.empty()
 
+    @property
+    def keys(self) -> mx.array | None:  # a pipelined model's hand-off (``_Buffered.keys``)
+        return self.inner.keys
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self.inner.keys = value
+
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any,
                sinks: mx.array | None = None) -> mx.array:
         return self.inner.attend(queries, keys, values, scale, mask, sinks=sinks)

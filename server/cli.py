@@ -176,7 +176,7 @@ def serve(config: ServerConfig) -> int:
     server = _draining_server(uvicorn.Server)(uv_config, engine, gate, config.http.drain_timeout_s)
     threading.Thread(target=_stop_when_down, args=(engine, server), name="kvserve-down", daemon=True).start()
     if group is not None:
-        _watch_peers(group, engine.fail_now)
+        _watch_peers(loaded.runner.channel, engine.fail_now)
     try:
         server.run()
     finally:
@@ -197,14 +197,15 @@ def _stop_when_down(engine, server) -> None:
     server.should_exit = True
 
 
-def _watch_peers(group, lost) -> None:
-    """Call ``lost(reason)`` when a peer's connection closes (``PeerWatch``; ring backend)."""
+def _watch_peers(channel, lost) -> None:
+    """Call ``lost(reason)`` when a peer's connection closes before the group closed
+    (``PeerWatch``; ring backend)."""
     from kvserve.configs import ring_hosts
     from kvserve.server.engine.distributed import PeerWatch
 
     placement = ring_hosts()
     if placement is not None:
-        PeerWatch(group.rank(), placement[1], lost).start()
+        PeerWatch(channel, placement[1], lost).start()
 
 
 def _share_cores() -> None:
@@ -252,8 +253,9 @@ def _follow(config: ServerConfig, scheme, blas: str, group) -> int:
         _progress(f"error: {reason}; exiting")
         _exit_now(1)
 
-    _watch_peers(group, lost)
-    return follow(loaded.runner, Channel(group))
+    channel = Channel(group)
+    _watch_peers(channel, lost)
+    return follow(loaded.runner, channel)
 
 
 def _draining_server(base: type) -> type:

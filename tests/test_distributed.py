@@ -100,29 +100,34 @@ def test_each_rank_reports_its_kv_bytes(pair):
     ("qwen3", "affine4", False),
     ("gpt_oss", "fp16", False),  # sliding windows, attention sinks, a mixture of experts
     ("qwen3_5", "fp16", False),  # recurrent (GatedDeltaNet) layers beside full attention
+    ("qwen3_next", "fp16", False),  # no shard(): mlx-lm's pipeline, 2 layers per rank
+    ("qwen3_next", "affine4", False),
 ])
-def test_other_families_split_evenly(default_model_dir, tmp_path, arch, scheme, launcher):
+def test_other_families_split_through_mlx_lm(default_model_dir, tmp_path, arch, scheme, launcher):
     model = make_tiny_model(arch, tmp_path / arch, default_model_dir)
     common = ("--cache-dir", str(tmp_path / "c"), "--prompt-cache-disk-gb", "0", "--kv-scheme", scheme, *SAME)
     one = ServerProcess(model, *common)
     two = DistributedServer(model, *common, launcher=launcher)
     try:
         one.wait_ready(), two.wait_ready()
-        assert "tensor parallel tp2:rank0:even" in two.output()
-        assert ask(two, PROMPTS[0]).choices[0].message.content == ask(one, PROMPTS[0]).choices[0].message.content
+        split = "pp2:rank0:layers=2+2" if arch == "qwen3_next" else "tp2:rank0:even"
+        assert f"split {split}" in two.output()
+        long = " ".join(PROMPTS * 12)  # ~500 tokens: prefilled in two chunks of 256
+        for prompt in (PROMPTS[0], long):
+            assert ask(two, prompt).choices[0].message.content == ask(one, prompt).choices[0].message.content
         assert answers(two, PROMPTS) == answers(one, PROMPTS)
     finally:
         assert two.stop()[0] == 0, two.output()
         one.stop()
 
 
-def test_a_model_without_a_tensor_parallel_split_is_refused(default_model_dir, tmp_path):
+def test_a_model_mlx_lm_cannot_split_is_refused(default_model_dir, tmp_path):
     model = make_tiny_model("gemma3_text", tmp_path / "gemma3", default_model_dir)
     two = DistributedServer(model, "--cache-dir", str(tmp_path / "c"), *SAME)
     assert two.wait_exit(300) == [1, 1], two.output()
     out = two.output()
-    assert "kvserve: error: gemma3_text cannot be split across 2 processes: mlx-lm gives it no " \
-           "tensor-parallel shard()" in out and "Traceback" not in out
+    assert "kvserve: error: gemma3_text cannot be split across 2 processes: mlx-lm gives it neither a " \
+           "tensor-parallel shard() nor a pipeline split" in out and "Traceback" not in out
 
 
 def test_prefix_cache_survives_a_restart_and_one_process_refuses_its_files(default_model_dir, tmp_path):

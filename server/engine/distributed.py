@@ -1,7 +1,8 @@
 """One model split across processes (``mx.distributed``): rank 0 plans, every rank computes.
 
 ``kvserve serve --distributed``, started by ``mlx.launch``, runs the same command in every
-process. Each loads the model and keeps its shard (``kvserve.server.models.shard``). Rank 0
+process. Each loads the model and keeps its shard (``kvserve.server.models.shard``: tensor
+parallel, or a pipeline of whole layers). Rank 0
 runs HTTP, the scheduler and the engine loop; its runner is a ``LeaderRunner``, which sends
 each ``StepPlan`` (``wire.py``) to the other ranks before running it. They ``follow``: run
 the same plan on their own runner, so every rank merges, extends and filters the same batch
@@ -9,7 +10,7 @@ and its KV cache holds its own heads in the configured scheme.
 
     rank 0   [release b][execute plan n] -> runner.execute(plan n) -> tokens -> HTTP
     rank 1   <- the same message          -> runner.execute(plan n) (its shard)
-             each layer ends in an all_sum: both ranks hold the same logits
+             every forward ends with both ranks holding the same hidden state and logits
 
 Sampling runs on every rank with the same keys over the same logits (an all-reduce leaves
 every rank the same bits), so no token travels; each rank reports a digest of its tokens
@@ -68,6 +69,7 @@ class Channel:
     def __init__(self, group):
         self.group = group
         self.rank, self.size = group.rank(), group.size()
+        self.closed = False  # rank 0 said close: peers that leave now are done, not lost
 
     def exchange(self, payload: dict | list) -> list[Any]:
         """Rank 0 passes the message, the others their status; returns every rank's payload."""
@@ -163,6 +165,7 @@ class LeaderRunner:
         self.runner.idle()
 
     def close(self) -> None:
+        self.channel.closed = True
         try:
             self._send(["close"])
         except GroupLost as exc:
@@ -208,6 +211,7 @@ def follow(runner, channel: Channel) -> int:
                 elif op[0] == "ping":
                     runner.idle()
                 elif op[0] == "close":
+                    channel.closed = True
                     return 0
             status["kv"] = runner.kv_bytes
     except GroupLost as exc:
@@ -253,23 +257,28 @@ class PeerWatch(threading.Thread):
     an end of stream means the peer is gone. A peer whose machine vanishes without closing
     its connections is not seen here (the engine's stuck-step check reports it)."""
 
-    def __init__(self, rank: int, ring: list[list[str]], lost, interval: float = 0.5):
+    def __init__(self, channel: Channel, ring: list[list[str]], lost, interval: float = 0.5):
         super().__init__(name="kvserve-peer-watch", daemon=True)
-        self.rank, self.size, self.lost, self.interval = rank, len(ring), lost, interval
+        self.channel, self.lost, self.interval = channel, lost, interval
+        self.rank, self.size = channel.rank, len(ring)
         self._owner = {address: r for r, addresses in enumerate(ring) for address in addresses}
         self._sockets = self._ring_sockets()
 
     def run(self) -> None:
-        while True:
+        while not self.channel.closed:  # after close, peers leave as they finish
             for sock, peer in self._sockets:
                 try:
                     if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                        return self.lost(self._reason(peer, "closed its connection"))
+                        return self._lost(self._reason(peer, "closed its connection"))
                 except BlockingIOError:
                     pass
                 except OSError as exc:
-                    return self.lost(self._reason(peer, f"connection failed ({exc})"))
+                    return self._lost(self._reason(peer, f"connection failed ({exc})"))
             time.sleep(self.interval)
+
+    def _lost(self, reason: str) -> None:
+        if not self.channel.closed:
+            self.lost(reason)
 
     def _reason(self, peer: str, what: str) -> str:
         return f"rank {self.rank} of {self.size}: lost {peer}: it {what}"

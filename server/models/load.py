@@ -30,10 +30,10 @@ class ModelInfo:
     kv_scheme: str
     vocab_size: int = 0  # rows of the embedding: token ids (prompt, logit_bias) stay below
     shard: str = ""  # split across processes: "tp2:rank0:kv_heads=2+1,mlp=768+768"; "" for one
-    kv_share: float = 1.0  # this process's share of the model's KV heads
+    kv_share: float = 1.0  # this process's share of what the model's KV caches hold
 
     def describe(self) -> str:
-        split = f", tensor parallel {self.shard}" if self.shard else ""
+        split = f", split {self.shard}" if self.shard else ""
         return (f"{self.model_id}: context {self.context_length}, {self.weight_format}, "
                 f"{self.blas}, KV scheme {self.kv_scheme}{split}")
 
@@ -84,7 +84,8 @@ def load_bundle(config: ModelConfig, *, kv_scheme: str = "", blas: str = "",
         from kvserve.server.models.shard import shard_model
 
         split, share = shard_model(model, group)
-        shard = f"tp{group.size()}:rank{group.rank()}:{split}"
+        kind, _, detail = split.partition(":")
+        shard = f"{kind}:rank{group.rank()}:{detail}"
     info = ModelInfo(
         model_id=model_id_for(config.model, source),
         source=str(source),

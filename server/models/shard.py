@@ -1,15 +1,17 @@
-"""Split a loaded model across the processes of an ``mx.distributed`` group (tensor parallel).
+"""Split a loaded model across the processes of an ``mx.distributed`` group.
 
-Every rank keeps the whole embedding and head, and a slice of each attention and MLP layer:
-its query heads with their KV heads, its part of the MLP's hidden width. A layer's output
-is the ``all_sum`` of the ranks' parts, so every rank ends each layer with the same hidden
-state and the same logits, and each rank's KV cache holds only its own KV heads.
+Tensor parallel, where the model allows: every rank keeps the whole embedding and head, and
+a slice of each attention and MLP layer: its query heads with their KV heads, its part of
+the MLP's hidden width. A layer's output is the ``all_sum`` of the ranks' parts, so every
+rank ends each layer with the same hidden state and the same logits, and each rank's KV
+cache holds only its own KV heads. Otherwise a pipeline (mlx-lm's ``pipeline()``): each rank
+keeps a run of whole layers and their caches, and hands its hidden state to the next.
 
 The model's own ``shard()`` (mlx-lm's tensor-parallel split) is used when the heads divide
 evenly. Heads that do not divide (the default model has 9 query heads over 3 KV heads) are
 split here by whole KV-head groups, as evenly as they go, for models laid out as Llama's
 (``q/k/v/o_proj`` and ``gate/up/down_proj``); mlx-lm would cut a head in two. Models
-without ``shard()`` are refused with the reason.
+with neither split are refused with the reason.
 
     >>> even_bounds(3, 2), even_bounds(1536, 2, unit=64), even_bounds(4, 4)
     ([0, 2, 3], [0, 768, 1536], [0, 1, 2, 3, 4])
@@ -38,13 +40,16 @@ def even_bounds(total: int, parts: int, unit: int = 1) -> list[int]:
 
 def shard_model(model: nn.Module, group) -> tuple[str, float]:
     """Keep this rank's part of ``model`` (in place). Returns the split, the same on every
-    rank (``even``, or ``kv_heads=2+1,mlp=768+768``), and this rank's share of the KV heads
-    (what its KV caches hold of the whole model's). Raises ``ModelLoadError``."""
+    rank (``tp2:even``, ``tp2:kv_heads=2+1,mlp=768+768``, ``pp2:layers=2+2``), and this
+    rank's share of what the KV caches hold (heads, or layers for a pipeline). Raises
+    ``ModelLoadError``."""
     n = group.size()
     name = type(model).__module__.rsplit(".", 1)[-1]
     if not hasattr(model, "shard"):
-        raise ModelLoadError(f"{name} cannot be split across {n} processes: mlx-lm gives it no "
-                             f"tensor-parallel shard(), and kvserve does not split layers into a pipeline")
+        if hasattr(getattr(model, "model", None), "pipeline"):
+            return _pipeline(model, group)
+        raise ModelLoadError(f"{name} cannot be split across {n} processes: mlx-lm gives it neither a "
+                             f"tensor-parallel shard() nor a pipeline split")
     attentions = [layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")]
     heads = {(getattr(a, "n_heads", n), getattr(a, "n_kv_heads", n)) for a in attentions}
     if all(q % n == 0 and kv % n == 0 for q, kv in heads):
@@ -52,11 +57,22 @@ def shard_model(model: nn.Module, group) -> tuple[str, float]:
             model.shard(group)
         except ValueError as exc:
             raise ModelLoadError(f"{name} cannot be split across {n} processes: {exc}") from None
-        return "even", 1 / n
+        return f"tp{n}:even", 1 / n
     if not _llama_layout(model) or min(kv for _, kv in heads) < n:
         raise ModelLoadError(f"{name} cannot be split across {n} processes: its heads {sorted(heads)} "
                              f"(query, KV) do not divide by {n}")
     return _shard_by_head_groups(model, group)
+
+
+def _pipeline(model: nn.Module, group) -> tuple[str, float]:
+    """mlx-lm's pipeline split: rank r keeps a run of whole layers (rank 0 the last ones)
+    and sends its hidden state on; the forward ends with every rank holding the same one."""
+    total = len(model.model.layers)
+    model.model.pipeline(group)
+    mine = len(model.model.pipeline_layers)
+    mx.eval(model.parameters())
+    counts = mx.distributed.all_gather(mx.array([mine]), group=group).tolist()
+    return f"pp{group.size()}:layers=" + "+".join(map(str, counts)), mine / total
 
 
 def _llama_layout(model: nn.Module) -> bool:
@@ -99,7 +115,7 @@ def _shard_by_head_groups(model: nn.Module, group) -> tuple[str, float]:
         splits.add(("+".join(str(kv[i + 1] - kv[i]) for i in range(n)),
                     "+".join(str(hidden[i + 1] - hidden[i]) for i in range(n))))
     mx.eval(model.parameters())
-    return ";".join(f"kv_heads={k},mlp={m}" for k, m in sorted(splits)), mine / heads
+    return f"tp{n}:" + ";".join(f"kv_heads={k},mlp={m}" for k, m in sorted(splits)), mine / heads
 
 
 class SummedLinear(nn.Module):
