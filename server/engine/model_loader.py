@@ -73,14 +73,16 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
 def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer, scheme: KVScheme,
                       layout: str = "", shard: str = "", share: float = 1.0):
     """The prefix cache of this model, tokenizer and scheme, its files in one directory per
-    namespace. Each rank of a split model (``shard``) keeps its part of every entry in its own
-    directory (``rank<r>`` under a ``prompt_cache_dir``): ranks never evict each other's
-    files as foreign. The budgets are the whole model's: each rank takes its ``share`` (of
-    the KV heads), so ranks with unequal parts still evict the same entries. The weight format measured at start-up is no part of the namespace: every
+    namespace. The weight format measured at start-up is no part of the namespace: every
     format computes with the same weight values (dense f32 is the exact dequantization of the
     stored ones), so K/V computed under one differ from another's by float rounding only, as
     a batched row's do from a lone one's; and the measurement may pick another format after
-    a restart."""
+    a restart.
+
+    Each rank of a split model (``shard``) keeps its part of every entry in its own directory
+    (``rank<r>`` under a ``prompt_cache_dir``): ranks never evict each other's files as
+    foreign. The budgets are the whole model's: each rank takes its ``share`` (of the KV
+    heads, or of the layers), so ranks with unequal parts still evict the same entries."""
     from kvserve.cache.prefix import Namespace, PrefixCache, model_fingerprint, tokenizer_hash
 
     ns = Namespace(model=model_fingerprint(source), tokenizer=tokenizer_hash(tokenizer),
