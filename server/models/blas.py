@@ -44,209 +44,8 @@ from kvserve.configs import BlasSettings, blas_settings
 log = logging.getLogger(__name__)
 
 _SHIM_NAME = "libkvserve_blas.so"
-_SHIM_SOURCE = r"""
-/* Exports the CBLAS gemm symbols libmlx.so imports and forwards them to the
-   prefixed OpenBLAS from the scipy-openblas32 wheel. */
-#include <pthread.h>
-enum { RowMajor = 101, ColMajor = 102, NoTrans = 111, Trans = 112 };
-typedef float f32;
-void scipy_cblas_sgemm(int, int, int, int, int, int, f32, const f32 *, int,
-                       const f32 *, int, f32, f32 *, int);
-void scipy_cblas_sgemv(int, int, int, int, f32, const f32 *, int, const f32 *,
-                       int, f32, f32 *, int);
-void scipy_cblas_dgemm(int, int, int, int, int, int, double, const double *,
-                       int, const double *, int, double, double *, int);
-void scipy_cblas_cgemm(int, int, int, int, int, int, const void *, const void *,
-                       int, const void *, int, const void *, void *, int);
-
-static unsigned long long sgemm_calls, sgemv_calls;
-unsigned long long kvserve_blas_sgemm_calls(void) { return sgemm_calls; }
-unsigned long long kvserve_blas_sgemv_calls(void) { return sgemv_calls; }
-
-/* Row-major C = alpha*op(A)*op(B) + beta*C with M == 1 or N == 1 is a gemv.
-   K == 0 is left to gemm: gemv returns early there without applying beta. */
-static int as_gemv(int ta, int tb, int M, int N, int K, f32 alpha,
-                   const f32 *A, int lda, const f32 *B, int ldb, f32 beta,
-                   f32 *C, int ldc) {
-  if (K <= 0 || M <= 0 || N <= 0) return 0;
-  if (M == 1) {                      /* C row = op(B)^T a */
-    int inca = (ta == NoTrans) ? 1 : lda;
-    scipy_cblas_sgemv(RowMajor, tb == NoTrans ? Trans : NoTrans,
-                      tb == NoTrans ? K : N, tb == NoTrans ? N : K,
-                      alpha, B, ldb, A, inca, beta, C, 1);
-    return 1;
-  }
-  if (N == 1) {                      /* C column = op(A) b */
-    int incb = (tb == NoTrans) ? ldb : 1;
-    scipy_cblas_sgemv(RowMajor, ta == NoTrans ? NoTrans : Trans,
-                      ta == NoTrans ? M : K, ta == NoTrans ? K : M,
-                      alpha, A, lda, B, incb, beta, C, ldc);
-    return 1;
-  }
-  return 0;
-}
-
-/* Few rows times a transposed weight (a batched decode step: C = A B^T with A (M, K)
-   activations, B (N, K) weights, 2 <= M <= SMALL_M). OpenBLAS packs B on every gemm call,
-   which makes M == 8 about 3x slower than M == 1; here blocks of 4 weight rows are read
-   once from memory and used against every pair of activation rows (from L1), with
-   vector accumulators the compiler maps onto the machine's vector registers. */
-#define SMALL_M 16
-#define VW 8
-typedef float vf __attribute__((vector_size(VW * 4)));
-static f32 hsum(vf v) { f32 s = 0; for (int i = 0; i < VW; i++) s += v[i]; return s; }
-static vf ld(const f32 *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
-
-static f32 dot(const f32 *a, const f32 *b, int K) {
-  int KW = K - K % VW; vf c = {0};
-  for (int k = 0; k < KW; k += VW) c += ld(a + k) * ld(b + k);
-  f32 s = hsum(c);
-  for (int k = KW; k < K; k++) s += a[k] * b[k];
-  return s;
-}
-
-static void put(f32 *c, f32 alpha, f32 v, f32 beta) { *c = alpha * v + (beta == 0.0f ? 0.0f : beta * *c); }
-
-static void block_4x2(int K, f32 alpha, const f32 *a0, int lda, const f32 *b0, int ldb,
-                      f32 beta, f32 *c0, int ldc) {
-  const f32 *a1 = a0 + lda, *b1 = b0 + ldb, *b2 = b1 + ldb, *b3 = b2 + ldb;
-  int KW = K - K % VW;
-  vf c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0}, c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
-  for (int k = 0; k < KW; k += VW) {
-    vf x0 = ld(a0 + k), x1 = ld(a1 + k), w;
-    w = ld(b0 + k); c00 += x0 * w; c10 += x1 * w;
-    w = ld(b1 + k); c01 += x0 * w; c11 += x1 * w;
-    w = ld(b2 + k); c02 += x0 * w; c12 += x1 * w;
-    w = ld(b3 + k); c03 += x0 * w; c13 += x1 * w;
-  }
-  f32 s[8] = {hsum(c00), hsum(c01), hsum(c02), hsum(c03), hsum(c10), hsum(c11), hsum(c12), hsum(c13)};
-  for (int k = KW; k < K; k++) {
-    s[0] += a0[k] * b0[k]; s[1] += a0[k] * b1[k]; s[2] += a0[k] * b2[k]; s[3] += a0[k] * b3[k];
-    s[4] += a1[k] * b0[k]; s[5] += a1[k] * b1[k]; s[6] += a1[k] * b2[k]; s[7] += a1[k] * b3[k];
-  }
-  for (int j = 0; j < 4; j++) { put(c0 + j, alpha, s[j], beta); put(c0 + ldc + j, alpha, s[4 + j], beta); }
-}
-
-static void small_m_nt(int M, int N, int K, f32 alpha, const f32 *A, int lda,
-                       const f32 *B, int ldb, f32 beta, f32 *C, int ldc) {
-  int n = 0;
-  for (; n + 3 < N; n += 4) {
-    int m = 0;
-    for (; m + 1 < M; m += 2)
-      block_4x2(K, alpha, A + (long)m * lda, lda, B + (long)n * ldb, ldb, beta, C + (long)m * ldc + n, ldc);
-    for (; m < M; m++)
-      for (int j = 0; j < 4; j++)
-        put(C + (long)m * ldc + n + j, alpha, dot(A + (long)m * lda, B + (long)(n + j) * ldb, K), beta);
-  }
-  for (; n < N; n++)
-    for (int m = 0; m < M; m++)
-      put(C + (long)m * ldc + n, alpha, dot(A + (long)m * lda, B + (long)n * ldb, K), beta);
-}
-
-/* Two or more cores: a persistent helper thread takes the upper half of the weight rows
-   (each thread streams its own rows: one core does not saturate memory bandwidth). Decode
-   steps issue a product every few tens of microseconds, so both sides spin on atomics for a
-   while before sleeping: a condition-variable wake-up alone costs as much as a product.
-   Only one product is split at a time; a concurrent caller finds the helper busy and
-   computes alone. */
-typedef struct { int M, N, K; f32 alpha, beta; const f32 *A, *B; f32 *C; int lda, ldb, ldc; } job_t;
-static pthread_mutex_t split_mu = PTHREAD_MUTEX_INITIALIZER, sleep_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
-static job_t job;
-static int job_seq, done_seq, helper_started, split_threads = 1;
-#define SPLIT_MIN_WORK (1L << 19)   /* multiply-adds below which splitting does not pay */
-#define SPIN_ROUNDS 200000          /* ~1 ms of polling before the helper sleeps */
-
-static void relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-static void *helper_main(void *unused) {
-  (void)unused;
-  int seen = 0;
-  for (;;) {
-    int spins = 0;
-    while (__atomic_load_n(&job_seq, __ATOMIC_ACQUIRE) == seen) {
-      if (++spins < SPIN_ROUNDS) { relax(); continue; }
-      pthread_mutex_lock(&sleep_mu);
-      while (__atomic_load_n(&job_seq, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&wake_cv, &sleep_mu);
-      pthread_mutex_unlock(&sleep_mu);
-    }
-    seen = __atomic_load_n(&job_seq, __ATOMIC_ACQUIRE);
-    job_t j = job;
-    small_m_nt(j.M, j.N, j.K, j.alpha, j.A, j.lda, j.B, j.ldb, j.beta, j.C, j.ldc);
-    __atomic_store_n(&done_seq, seen, __ATOMIC_RELEASE);
-  }
-  return 0;
-}
-
-void kvserve_blas_set_threads(int n) { split_threads = n > 1 ? 2 : 1; }
-
-static void small_m_split(int M, int N, int K, f32 alpha, const f32 *A, int lda,
-                          const f32 *B, int ldb, f32 beta, f32 *C, int ldc) {
-  if (split_threads < 2 || (long)M * N * K < SPLIT_MIN_WORK || N < 8 || pthread_mutex_trylock(&split_mu)) {
-    small_m_nt(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    return;
-  }
-  if (!helper_started) {
-    pthread_t t;
-    helper_started = pthread_create(&t, 0, helper_main, 0) == 0 ? 1 : -1;
-    if (helper_started == 1) pthread_detach(t);
-  }
-  if (helper_started != 1) {
-    pthread_mutex_unlock(&split_mu);
-    small_m_nt(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    return;
-  }
-  int half = (N / 2) & ~3;
-  job = (job_t){M, N - half, K, alpha, beta, A, B + (long)half * ldb, C + half, lda, ldb, ldc};
-  int seq = job_seq + 1;
-  pthread_mutex_lock(&sleep_mu);
-  __atomic_store_n(&job_seq, seq, __ATOMIC_RELEASE);
-  pthread_cond_signal(&wake_cv);
-  pthread_mutex_unlock(&sleep_mu);
-  small_m_nt(M, half, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  while (__atomic_load_n(&done_seq, __ATOMIC_ACQUIRE) != seq) relax();
-  pthread_mutex_unlock(&split_mu);
-}
-
-static unsigned long long small_calls;
-unsigned long long kvserve_blas_small_calls(void) { return small_calls; }
-
-void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, f32 alpha,
-                 const f32 *A, int lda, const f32 *B, int ldb, f32 beta,
-                 f32 *C, int ldc) {
-  if (order == ColMajor) {           /* same product, seen as row-major C^T */
-    cblas_sgemm(RowMajor, tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
-    return;
-  }
-  if (as_gemv(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
-    __atomic_fetch_add(&sgemv_calls, 1, __ATOMIC_RELAXED);
-    return;
-  }
-  if (ta == NoTrans && tb == Trans && M <= SMALL_M && K >= 8) {
-    __atomic_fetch_add(&small_calls, 1, __ATOMIC_RELAXED);
-    small_m_split(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    return;
-  }
-  __atomic_fetch_add(&sgemm_calls, 1, __ATOMIC_RELAXED);
-  scipy_cblas_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-}
-
-void cblas_dgemm(int order, int ta, int tb, int M, int N, int K, double alpha,
-                 const double *A, int lda, const double *B, int ldb,
-                 double beta, double *C, int ldc) {
-  scipy_cblas_dgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-}
-
-void cblas_cgemm(int order, int ta, int tb, int M, int N, int K,
-                 const void *alpha, const void *A, int lda, const void *B,
-                 int ldb, const void *beta, void *C, int ldc) {
-  scipy_cblas_cgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-}
-"""
+# The C source: next to this file, compiled at first use (see _build_shim).
+_SHIM_SOURCE = (Path(__file__).with_name("blas_shim.c")).read_text()
 
 
 @dataclass(frozen=True)
@@ -288,6 +87,15 @@ def enable_fast_blas(settings: BlasSettings | None = None) -> BlasInfo:
 def blas_info() -> BlasInfo | None:
     """The result of :func:`enable_fast_blas`, or None when it was not called."""
     return _INFO
+
+
+def codes_library() -> ctypes.CDLL | None:
+    """The loaded shim when it serves MLX's products, for ``packed.py``'s registrations;
+    None otherwise (no shim, or MLX bound to OpenBLAS directly)."""
+    if _INFO is None or not _INFO.active or not _INFO.library:
+        return None
+    lib = ctypes.CDLL(_INFO.library)
+    return lib if hasattr(lib, "kvserve_packed_add") else None
 
 
 def _enable(settings: BlasSettings) -> BlasInfo:

@@ -103,10 +103,14 @@ def load_bundle(config: ModelConfig, *, kv_scheme: str = "", blas: str = "",
 
 def _agree(choice, group):
     """Rank 0's weight format on every rank: ranks that computed in different formats would
-    round differently and sample different tokens."""
+    round differently and sample different tokens. Codes for decode are not taken: a shard
+    slices the dense weights, which leaves the codes of the whole ones unused in memory."""
     import mlx.core as mx
 
-    from kvserve.server.models.weights import FORMATS, WeightChoice
+    from kvserve.server.models.weights import DENSE_CODES, DENSE_F32, FORMATS, WeightChoice
+
+    if choice.name == DENSE_CODES:
+        choice = WeightChoice(DENSE_F32, "split across processes: shards are dense", {}, choice.device)
 
     try:
         picked = mx.distributed.all_gather(mx.array([FORMATS.index(choice.name)]), group=group).tolist()[0]

@@ -26,12 +26,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from kvserve.server.models.blas import codes_library
+from kvserve.server.models.packed import attach_codes, codes_layout
+
 log = logging.getLogger(__name__)
 
 AS_LOADED = "as-loaded"
 AFFINE_F32 = "affine-f32scales"
 DENSE_F32 = "dense-f32"
-FORMATS = (AS_LOADED, AFFINE_F32, DENSE_F32)
+# Dense float32 for prefill, and decode products (at most 16 rows) that read the 4- or
+# 8-bit codes the weights came from (``packed.py``): a fifth of the bytes per decode step.
+DENSE_CODES = "dense-f32+codes"
+FORMATS = (AS_LOADED, AFFINE_F32, DENSE_F32, DENSE_CODES)
 
 _PREFILL_M = 128
 _SAMPLE_BYTES = 96 << 20  # f32 bytes of weights one decode pass streams: beyond on-chip caches
@@ -70,6 +76,8 @@ def choose_weight_format(model: nn.Module, format: str = "auto", budget_s: float
     if format != "auto":
         if format not in FORMATS:
             raise ValueError(f"unknown weight format {format!r}; one of {FORMATS} or 'auto'")
+        if format == DENSE_CODES and codes_library() is None:
+            raise ValueError(f"{DENSE_CODES} needs kvserve's BLAS shim (Linux, scipy-openblas32, a C compiler)")
         return WeightChoice(format, "requested", {}, device)
     if device == "gpu":
         return WeightChoice(AS_LOADED, "GPU: keeps the model's own weights", {}, device)
@@ -86,8 +94,10 @@ def apply_weight_format(model: nn.Module, choice: WeightChoice | str) -> nn.Modu
     name = choice.name if isinstance(choice, WeightChoice) else choice
     if name == AS_LOADED:
         return model
-    if name == DENSE_F32:
-        _dequantize_modules(model)
+    if name == DENSE_CODES and codes_library() is None:
+        raise ValueError(f"{DENSE_CODES} needs kvserve's BLAS shim (Linux, scipy-openblas32, a C compiler)")
+    if name in (DENSE_F32, DENSE_CODES):
+        _dequantize_modules(model, codes_library() if name == DENSE_CODES else None)
     elif name != AFFINE_F32:
         raise ValueError(f"unknown weight format {name!r}")
     # Everything else (norms, scales, biases, embeddings) to float32 too, so the
@@ -114,6 +124,8 @@ def _candidates(model: nn.Module) -> list[str]:
     # Dense float32 is 8x the memory of 4-bit weights: only where it fits easily.
     if not_f32 and _dense_f32_bytes(model) < 0.5 * _available_memory():
         out.append(DENSE_F32)
+        if codes_library() is not None and any(codes_layout(m) is not None for m in quant):
+            out.append(DENSE_CODES)
     return out
 
 
@@ -162,8 +174,9 @@ def _dense_weight(m: nn.Module) -> mx.array:
     ).astype(mx.float32)
 
 
-def _dequantize_modules(model: nn.Module) -> None:
-    """Replace QuantizedLinear/QuantizedEmbedding with float32 Linear/Embedding."""
+def _dequantize_modules(model: nn.Module, codes_lib=None) -> None:
+    """Replace QuantizedLinear/QuantizedEmbedding with float32 Linear/Embedding; with
+    ``codes_lib`` (the BLAS shim), each keeps the codes it came from for decode products."""
     swaps = []
     for path, m in model.named_modules():
         if isinstance(m, nn.QuantizedLinear):
@@ -179,6 +192,8 @@ def _dequantize_modules(model: nn.Module) -> None:
         else:
             continue
         mx.eval(new.parameters())  # one module at a time: peak memory stays low
+        if codes_lib is not None:
+            attach_codes(new, m, codes_lib)
         swaps.append((path, new))
     if swaps:
         model.update_modules(tree_unflatten(swaps))
@@ -234,9 +249,12 @@ def _op(m: nn.Module, fmt: str, act: mx.Dtype) -> Callable[[mx.array], mx.array]
         mx.eval(s, b)
         gs, bits = m.group_size, m.bits
         return lambda x: mx.quantized_matmul(x, w, s, b, True, gs, bits)
-    w = _dense_weight(m) if isinstance(m, nn.QuantizedLinear) else m.weight.astype(mx.float32)
-    mx.eval(w)
-    return lambda x: x @ w.T
+    dense = nn.Linear(1, 1, bias=False)
+    dense.weight = _dense_weight(m) if isinstance(m, nn.QuantizedLinear) else m.weight.astype(mx.float32)
+    mx.eval(dense.weight)
+    if fmt == DENSE_CODES and isinstance(m, nn.QuantizedLinear):
+        attach_codes(dense, m, codes_library())
+    return lambda x: x @ dense.weight.T
 
 
 def _time(fn: Callable[[], list[mx.array]], deadline: float, reps: int = 20, least: int = 3) -> float:
@@ -259,7 +277,7 @@ def _measure(model: nn.Module, candidates: list[str], budget_s: float) -> dict[s
     act = _activation_dtype(model, mx.float32)
     timings: dict[str, dict[str, float]] = {}
     # Likely-fastest first, so that slow candidates can be cut short against it.
-    for n, fmt in enumerate(sorted(candidates, key=[DENSE_F32, AFFINE_F32, AS_LOADED].index)):
+    for n, fmt in enumerate(sorted(candidates, key=[DENSE_CODES, DENSE_F32, AFFINE_F32, AS_LOADED].index)):
         budget = budget_s * (0.5 if n == 0 else 0.5 / (len(candidates) - 1))
         best = min((t["decode"] for t in timings.values()), default=float("inf"))
         timings[fmt] = bench.run(fmt, act, time.perf_counter() + budget, best)
