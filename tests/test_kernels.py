@@ -116,7 +116,15 @@ def test_choose_follows_the_cpu_crossover():
     assert dispatch.choose(None, None, 1, 64, mx.gpu) == "blockwise"
 
 
-def test_cache_attend_goes_through_the_dispatch(monkeypatch):
+@pytest.fixture
+def without_cpu_kernel(monkeypatch):
+    """The dispatch as it is without the CPU kernel for affine K/V (test_cpu_attention.py
+    covers it), so that the paths and kernels below are what serves these calls."""
+    monkeypatch.setattr(dispatch, "_KERNELS", [k for k in dispatch._KERNELS if k.name != "cpu-affine"])
+    monkeypatch.setattr(dispatch, "_CANDIDATES", {})
+
+
+def test_cache_attend_goes_through_the_dispatch(monkeypatch, without_cpu_kernel):
     scheme, calls = parse_scheme("affine4"), []
     cache = QuantizedKVCache(scheme)
     keys, values = cache.update_and_fetch(_rand((1, 2, 70, 64), 1), _rand((1, 2, 70, 64), 2))
@@ -134,7 +142,7 @@ def _kernel(name, fn):
 
 
 @pytest.mark.parametrize("good", [True, False])
-def test_unverified_kernel_runs_only_after_its_self_check(good, caplog):
+def test_unverified_kernel_runs_only_after_its_self_check(good, caplog, without_cpu_kernel):
     q, kf, kp, vf, vp, _, oracle = _case("affine4", 1, 2, 64, 80, 1, mx.float32)
     wrong = lambda *a, **k: attend_full(*a, **k) + 1.0
     kernel = _kernel("test-kernel", attend_full if good else wrong)
@@ -151,7 +159,7 @@ def test_unverified_kernel_runs_only_after_its_self_check(good, caplog):
         dispatch.unregister_kernel("test-kernel")
 
 
-def test_calls_with_sinks_are_self_checked_on_their_own():
+def test_calls_with_sinks_are_self_checked_on_their_own(without_cpu_kernel):
     """A kernel whose plain calls passed is not trusted with attention sinks until a call
     with sinks has passed too (the sinks change its merge)."""
     q, kf, kp, vf, vp, _, _ = _case("affine4", 1, 2, 64, 80, 1, mx.float32)

@@ -107,10 +107,12 @@ static void small_m_nt(int M, int N, int K, f32 alpha, const f32 *A, int lda,
    Only one product is split at a time; a concurrent caller finds the helper busy and
    computes alone. */
 typedef struct packed packed_t;
+typedef void (*range_fn)(void *ctx, int i0, int i1);
 typedef struct { int M, N, K; f32 alpha, beta; const f32 *A, *B; f32 *C; int lda, ldb, ldc;
-                 const packed_t *P; } job_t;
+                 const packed_t *P; range_fn fn; void *ctx; } job_t;
 static void packed_rows(const job_t *j, int n0, int n1);
 static void run_rows(const job_t *j, int n0, int n1) {
+  if (j->fn) { j->fn(j->ctx, n0, n1); return; }
   if (j->P) { packed_rows(j, n0, n1); return; }
   small_m_nt(j->M, n1 - n0, j->K, j->alpha, j->A, j->lda, j->B + (long)n0 * j->ldb, j->ldb,
              j->beta, j->C + n0, j->ldc);
@@ -150,7 +152,7 @@ void kvserve_blas_set_threads(int n) { split_threads = n > 1 ? 2 : 1; }
 
 /* Output columns [0, N) of ``j``, split between this thread and the helper. */
 static void split_rows(const job_t *j, long work) {
-  if (split_threads < 2 || work < SPLIT_MIN_WORK || j->N < 8 || pthread_mutex_trylock(&split_mu)) {
+  if (split_threads < 2 || work < SPLIT_MIN_WORK || j->N < (j->fn ? 2 : 8) || pthread_mutex_trylock(&split_mu)) {
     run_rows(j, 0, j->N);
     return;
   }
@@ -165,7 +167,7 @@ static void split_rows(const job_t *j, long work) {
     return;
   }
   job = *j;
-  job_half = (j->N / 2) & ~3;
+  job_half = j->fn ? j->N / 2 : (j->N / 2) & ~3;
   int seq = job_seq + 1;
   pthread_mutex_lock(&sleep_mu);
   __atomic_store_n(&job_seq, seq, __ATOMIC_RELEASE);
@@ -174,6 +176,15 @@ static void split_rows(const job_t *j, long work) {
   run_rows(j, 0, job_half);
   while (__atomic_load_n(&done_seq, __ATOMIC_ACQUIRE) != seq) relax();
   pthread_mutex_unlock(&split_mu);
+}
+
+/* fn(ctx, i0, i1) over [0, n), half of it on the helper thread when ``work`` (multiply-adds)
+   pays for the hand-off: other CPU kernels (kernels/cpu_attention.cpp) share the one helper
+   rather than start threads that would spin against it. */
+void kvserve_parallel(range_fn fn, void *ctx, int n, long work) {
+  job_t j = {0};
+  j.N = n; j.fn = fn; j.ctx = ctx;
+  split_rows(&j, work);
 }
 
 /* ---- Decode products that read a model's packed codes ----------------------------------
@@ -320,7 +331,7 @@ static int packed_product(int ta, int tb, int M, int N, int K, f32 alpha, const 
   pthread_rwlock_rdlock(&packed_mu);
   const packed_t *P = packed_find(B, N, K, ldb);
   if (P) {
-    job_t j = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, P};
+    job_t j = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, P, 0, 0};
     split_rows(&j, (long)M * N * K);
     __atomic_fetch_add(&packed_calls, 1, __ATOMIC_RELAXED);
   }
@@ -363,7 +374,7 @@ static void sgemm_row_major(int ta, int tb, int M, int N, int K, f32 alpha, cons
   }
   if (ta == NoTrans && tb == Trans && M <= SMALL_M && K >= 8) {
     __atomic_fetch_add(&small_calls, 1, __ATOMIC_RELAXED);
-    job_t j = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0};
+    job_t j = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, 0, 0};
     split_rows(&j, (long)M * N * K);
     return;
   }

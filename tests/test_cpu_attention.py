@@ -1,0 +1,123 @@
+"""The CPU kernel for affine K/V (``kernels/cpu_attention.cpp``) equals the pure-MLX path.
+
+Tolerances as in test_kernels.py: outputs of unit scale, 1e-4 for f32 queries; f16/bf16
+outputs are rounded to the queries' dtype after f32 math that differs in summation order
+(4e-3, 3e-2).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from kvserve.cache.affine import QuantizedFormat
+from kvserve.cache.base import causal_mask
+from kvserve.cache.scheme import parse_scheme
+from kvserve.kernels import cpu_attention, dispatch
+from kvserve.kernels.reference import attend_full
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU kernel could not be built here")
+
+TOL = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+SCHEMES = ["affine4", "affine8", "affine4-g32", "affine8-g128"]
+# (D, L, T, dtype, mask, sinks), cycled over the schemes so each value meets each scheme,
+# and thinned to every third: 108 calls rather than 324.
+GRID = itertools.product([64, 128], [1, 4, 16], [1, 63, 300], [mx.float32, mx.float16, mx.bfloat16],
+                         ["none", "causal", "padded"], [False, True])
+CASES = [(SCHEMES[i % len(SCHEMES)], *c) for i, c in enumerate(GRID)
+         if c[1] <= c[2] and c[0] % parse_scheme(SCHEMES[i % len(SCHEMES)]).keys.group_size == 0][::3]
+
+
+def _rand(shape, seed, dtype=mx.float32):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+def _stored(x: mx.array, fmt, extra: int = 7) -> tuple[mx.array, ...]:
+    """Quantized parts as a cache returns them: views of buffers longer than T."""
+    T = x.shape[2]
+    padded = mx.concatenate([x, mx.zeros((*x.shape[:2], extra, x.shape[3]), x.dtype)], axis=2)
+    return tuple(p[:, :, :T] for p in mx.quantize(padded, fmt.group_size, fmt.bits))
+
+
+def _mask(kind: str, B: int, L: int, T: int):
+    if kind == "none" or (kind == "causal" and L == 1):
+        return None if kind == "none" else "causal"
+    if kind == "causal":
+        return "causal"
+    pads = mx.array([min(i * 3, T - 1) for i in range(B)])  # never a whole row hidden
+    return causal_mask(L, T - L, pads) if L <= T else None
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernel_equals_the_full_path(case):
+    name, D, L, T, dtype, mask_kind, with_sinks = CASES[case]
+    scheme = parse_scheme(name)
+    B, H_kv, R = 3, 2, 3
+    q = _rand((B, H_kv * R, L, D), case, dtype)
+    kp = _stored(_rand((B, H_kv, T, D), case + 1, dtype) * 2, scheme.keys)
+    vp = _stored(_rand((B, H_kv, T, D), case + 2, dtype), scheme.values)
+    kf, vf = QuantizedFormat(scheme.keys), QuantizedFormat(scheme.values)
+    mask = _mask(mask_kind, B, L, T)
+    sinks = _rand((H_kv * R,), case + 3) if with_sinks else None
+    got = cpu_attention.attend_cpu(q, kf, kp, vf, vp, D ** -0.5, mask, sinks=sinks)
+    want = attend_full(q, kf, kp, vf, vp, D ** -0.5, mask, sinks=sinks)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() <= TOL[dtype]
+
+
+def test_per_head_mask_and_fully_masked_rows():
+    """A (B, H_q, L, T) mask is read per query head; a row with every slot hidden averages
+    its values uniformly, as the full path does."""
+    scheme = parse_scheme("affine4")
+    fmt = QuantizedFormat(scheme.keys)
+    q = _rand((2, 4, 1, 64), 1)
+    kp, vp = _stored(_rand((2, 2, 40, 64), 2), scheme.keys), _stored(_rand((2, 2, 40, 64), 3), scheme.values)
+    mask = _rand((2, 4, 1, 40), 4) > 0
+    mask = mx.concatenate([mask[:, :3], mx.zeros((2, 1, 1, 40), mx.bool_)], axis=1)  # head 3: all hidden
+    got = cpu_attention.attend_cpu(q, fmt, kp, fmt, vp, 0.125, mask)
+    want = attend_full(q, fmt, kp, fmt, vp, 0.125, mask)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_dispatch_picks_the_kernel_for_affine_decode_only():
+    affine = QuantizedFormat(parse_scheme("affine4").keys)
+    mx_fmt = QuantizedFormat(parse_scheme("mxfp4").keys)
+    assert dispatch.choose(affine, affine, 1, 100, mx.cpu) == "cpu-affine"
+    assert dispatch.choose(affine, affine, cpu_attention.MAX_L, 100, mx.cpu) == "cpu-affine"
+    assert dispatch.choose(affine, affine, cpu_attention.MAX_L + 1, 100, mx.cpu) == "full"
+    assert dispatch.choose(mx_fmt, mx_fmt, 1, 100, mx.cpu) == "full"
+
+
+def test_head_dim_of_three_groups():
+    """D = 96: three groups of 32, three 32-wide steps of the kernel per token."""
+    scheme = parse_scheme("affine4-g32")
+    fmt = QuantizedFormat(scheme.keys)
+    q = _rand((2, 6, 1, 96), 1)
+    kp, vp = _stored(_rand((2, 3, 50, 96), 2), scheme.keys), _stored(_rand((2, 3, 50, 96), 3), scheme.values)
+    got = cpu_attention.attend_cpu(q, fmt, kp, fmt, vp, 0.1, None)
+    assert mx.allclose(got, attend_full(q, fmt, kp, fmt, vp, 0.1, None), atol=1e-4).item()
+
+
+_UNBUILDABLE = """
+import json
+from kvserve.kernels import cpu_attention, dispatch
+from kvserve.cache.affine import QuantizedFormat
+from kvserve.cache.scheme import parse_scheme
+f = QuantizedFormat(parse_scheme("affine4").keys)
+print(json.dumps({"available": cpu_attention.available(), "choice": dispatch.choose(f, f, 1, 10)}))
+"""
+
+
+def test_without_a_compiler_the_mlx_path_serves(tmp_path):
+    env = {**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    env.pop("XDG_CACHE_HOME", None)
+    res = subprocess.run([sys.executable, "-c", _UNBUILDABLE], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"available": False, "choice": "full"}
