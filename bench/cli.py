@@ -89,6 +89,7 @@ def bench_target(target: Target, model_dir: Path, args, prompts: list[str]) -> d
         row = {"label": target.label, **result.summary()}
         if args.overhead and target.kind == "kvserve":
             row["overhead"] = steady_itl(running, prompts, args)
+        row["peak_rss"] = running.peak_rss()
     finally:
         running.stop()
     print(f"bench: {target.label}: {row['output_tok_s']:.1f} output tok/s, "
@@ -140,7 +141,8 @@ def render(rows: list[dict], args, model: str, argv: list[str], chart: str | Non
              markdown_table(rows, baseline), "",
              f"Ratios are output tokens/s against `{baseline}`. TTFT is from sending the request "
              "to the first streamed text; TPOT is (E2E - TTFT) / (tokens - 1); ITL is the gap "
-             "between streamed chunks."]
+             "between streamed chunks. Peak RSS is the server processes' resident-set high-water "
+             "mark (`VmHWM`), model loading included."]
     overhead = [r for r in rows if "model_step_s" in r.get("overhead", {})]
     if overhead:
         lines += ["", "Steady decoding (all streams start together): the inter-token latency "

@@ -2,9 +2,9 @@
 
     >>> row = {"label": "kvserve serve", "output_tok_s": 40.0, "ttft_p50": 1.5, "ttft_p99": 2.0,
     ...        "tpot_p50": 0.1, "tpot_p99": 0.2, "itl_p50": 0.1, "itl_p99": 0.3, "e2e_p50": 8.0,
-    ...        "e2e_p99": 9.0, "errors": 0, "requests": 16}
+    ...        "e2e_p99": 9.0, "errors": 0, "requests": 16, "peak_rss": 900 << 20}
     >>> print(markdown_table([row], baseline="kvserve serve").splitlines()[2])
-    | kvserve serve | 40.0 | 1.00x | 1500 / 2000 | 100 / 200 | 100 / 300 | 8.00 / 9.00 | 0/16 |
+    | kvserve serve | 40.0 | 1.00x | 1500 / 2000 | 100 / 200 | 100 / 300 | 8.00 / 9.00 | 0/16 | 900 |
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def publish(text: str, out: str | None) -> None:
 
 
 HEADER = ("| server | output tok/s | vs baseline | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-          "| ITL p50 / p99 (ms) | E2E p50 / p99 (s) | errors |")
+          "| ITL p50 / p99 (ms) | E2E p50 / p99 (s) | errors | peak RSS (MiB) |")
 
 
 def _ms(row: dict, name: str) -> str:
@@ -29,12 +29,13 @@ def _ms(row: dict, name: str) -> str:
 
 def markdown_table(rows: list[dict], baseline: str | None = None) -> str:
     base = next((r["output_tok_s"] for r in rows if r["label"] == baseline), None)
-    lines = [HEADER, "|" + "---|" * 8]
+    lines = [HEADER, "|" + "---|" * 9]
     for r in rows:
         ratio = f"{r['output_tok_s'] / base:.2f}x" if base else "-"
         e2e = "-" if r.get("e2e_p50") is None else f"{r['e2e_p50']:.2f} / {r['e2e_p99']:.2f}"
+        rss = "-" if r.get("peak_rss") is None else f"{r['peak_rss'] / 2**20:.0f}"
         lines.append(f"| {r['label']} | {r['output_tok_s']:.1f} | {ratio} | {_ms(r, 'ttft')} | "
-                     f"{_ms(r, 'tpot')} | {_ms(r, 'itl')} | {e2e} | {r['errors']}/{r['requests']} |")
+                     f"{_ms(r, 'tpot')} | {_ms(r, 'itl')} | {e2e} | {r['errors']}/{r['requests']} | {rss} |")
     return "\n".join(lines)
 
 

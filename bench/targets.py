@@ -120,6 +120,18 @@ class Running:
         """What requests put in ``model`` to reach the model the target was started with."""
         return "default" if self.target.kind == "kvserve" else "default_model"
 
+    def peak_rss(self) -> int | None:
+        """Bytes: the peak resident set (``VmHWM``) of the target's processes, summed; None
+        where /proc does not say. Read before ``stop``."""
+        total = 0
+        for p in self.procs:
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+            except (OSError, StopIteration, ValueError):
+                return None
+        return total
+
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read()[-4000:]

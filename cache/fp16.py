@@ -3,12 +3,15 @@
 Parts per token: ``[keys (B, H_kv, T, D), values (B, H_kv, T, D_v)]``, so K+V cost
 2 * H_kv * D * itemsize bytes per token (512 B per KV head at D = 128 in fp16).
 Attention is ``mx.fast.scaled_dot_product_attention``, which maps grouped query heads to
-KV heads itself and accepts mlx-lm's masks unchanged, except for short queries under a mask
-array (decoding a left-padded batch) on a GPU: there ``attend_grouped`` runs instead. MLX's
-fused decode kernel on CUDA takes no mask array, and the unfused path MLX then takes was
-3x slower than ``attend_grouped`` on an H100 (``bench/gpu_padded_attention.py``). On the
-CPU MLX always takes its own unfused path, which reads K and V once there too and was
-not slower than ``attend_grouped`` in a spot check, so the CPU keeps it.
+KV heads itself and accepts mlx-lm's masks unchanged, except for short queries (decode and
+verify steps, L <= 16):
+  * on a GPU under a mask array (decoding a left-padded batch) ``attend_grouped`` runs
+    instead: MLX's fused decode kernel on CUDA takes no mask array, and the unfused path MLX
+    then takes was 3x slower than ``attend_grouped`` on an H100
+    (``bench/gpu_padded_attention.py``);
+  * on the CPU the dispatch's CPU kernel runs (``kvserve.kernels.cpu_attention``): MLX's CPU
+    SDPA is unfused (a matmul per head), and the kernel, which reads each token's K/V once
+    for all the query heads that share it, took half its time at 8 rows x 160 tokens.
 """
 
 from __future__ import annotations
@@ -78,8 +81,16 @@ class FP16Codec:
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                mask: Any, sinks: mx.array | None = None) -> mx.array:
-        if (isinstance(mask, mx.array) and queries.shape[2] <= GROUPED_MAX_L and sinks is None
-                and mx.default_device().type == mx.gpu):  # the CPU keeps MLX's path (above)
+        short = queries.shape[2] <= GROUPED_MAX_L
+        if short and mx.default_device().type == mx.cpu:
+            from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
+            from kvserve.cache.turbo_codec import RawFormat
+
+            kf, vf = RawFormat(keys.shape[-1]), RawFormat(values.shape[-1])
+            if dispatch.choose(kf, vf, queries.shape[2], keys.shape[2]) not in ("full", "blockwise"):
+                return dispatch.attend(queries, kf, (keys,), vf, (values,), scale, mask, sinks=sinks)
+        if (isinstance(mask, mx.array) and short and sinks is None
+                and mx.default_device().type == mx.gpu):
             return attend_grouped(queries, keys, values, scale, mask)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
                                                     sinks=sinks)

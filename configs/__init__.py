@@ -57,9 +57,12 @@ class EngineConfig:
     # rest, so a long prompt delays the running streams by at most one chunk per step.
     # None: prefill_step_size (or max_batch_size when larger).
     max_step_tokens: int | None = None
-    # KV tokens all live requests may hold together; past it the latest decoding request is
-    # preempted (its cache swapped to disk) until room returns. None: no bound.
-    max_kv_tokens: int | None = None
+    # Bytes the KV caches of all live requests may hold together (an int, or a size such as
+    # "2GiB"); admission and preemption count each request's tokens at what a token costs in
+    # the served scheme (a scheme that stores fewer bytes admits more rows), and past the
+    # budget the latest decoding request is preempted (its cache swapped to disk) until room
+    # returns. None: a quarter of the machine's memory (``kv_memory.DEFAULT_SHARE``).
+    kv_memory: int | str | None = None
     # Seconds a request may wait in the queue before it is answered with a queue_timeout
     # error (a client would rather retry elsewhere than wait on); 0: no limit.
     queue_timeout_s: float = 600.0
@@ -83,8 +86,8 @@ class EngineConfig:
         # Every decoding request must fit in one step, or a stream would skip steps.
         _require(self.max_step_tokens >= self.max_batch_size,
                  "engine.max_step_tokens must be >= engine.max_batch_size")
-        _require(self.max_kv_tokens is None or self.max_kv_tokens >= 1,
-                 "engine.max_kv_tokens must be >= 1")
+        if self.kv_memory is not None:
+            object.__setattr__(self, "kv_memory", parse_size(self.kv_memory, "engine.kv_memory"))
         _require(self.queue_timeout_s >= 0, "engine.queue_timeout_s must be >= 0 (0: no limit)")
         _require(self.speculative in ("off", "ngram"),
                  f"engine.speculative must be off or ngram, got {self.speculative!r}")
@@ -147,6 +150,29 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     http: HTTPConfig = field(default_factory=HTTPConfig)
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: int | float | str, name: str = "size") -> int:
+    """Bytes from an int or a size with a unit; K, M, G, T are powers of 1024, with or
+    without "B" or "iB" after them. Must be at least 1 MiB.
+
+        >>> parse_size("2GiB"), parse_size("512M"), parse_size("1.5g"), parse_size(4 << 20)
+        (2147483648, 536870912, 1610612736, 4194304)
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        size = int(value)
+    else:
+        text = str(value).strip().lower().removesuffix("ib").removesuffix("b").strip()
+        number, unit = (text[:-1], text[-1]) if text[-1:] in ("k", "m", "g", "t") else (text, "")
+        try:
+            size = int(float(number) * _UNITS[unit])
+        except ValueError:
+            raise ConfigError(f"{name} must be a size such as 2GiB or 512MiB, got {value!r}") from None
+    _require(size >= 1 << 20, f"{name} must be at least 1 MiB, got {value!r}")
+    return size
 
 
 def default_cache_dir() -> Path:

@@ -1,14 +1,15 @@
-"""Fused decode attention over affine-quantized K/V on the CPU (``cpu_attention.cpp``).
+"""Fused decode attention over stored K/V on the CPU (``cpu_attention.cpp``).
 
 On the CPU, attention over an affine4 cache ran through MLX's ``quantized_matmul``, which
-decodes one element at a time: with 8 rows at 160 tokens it cost more than the whole rest of
-the decode step over an fp16 cache (docs/benchmarks/cpu-step.md). The kernel here is an MLX
+decodes one element at a time, and over a turbo cache through a (B, H, T, D) float32 decode
+of the whole context: with 8 rows at 160 tokens either cost more than the whole rest of the
+decode step over an fp16 cache (docs/benchmarks/cpu-step.md). The kernel here is an MLX
 primitive written in C++ (the extension API MLX ships: its headers and nanobind), built once
 per machine with the system compiler into the cache directory, like the BLAS shim. It serves
-affine 4- and 8-bit keys and values with groups of 32, 64 or 128 at head dims that are a
-multiple of 32, for up to ``MAX_L`` queries per row (decode and verify steps); anything else
-keeps the pure-MLX path. Where it cannot be built (no compiler, no nanobind, an MLX whose
-nanobind ABI differs), ``available()`` is False and nothing changes.
+raw, affine 4/8-bit (groups a multiple of 32) and turbo (up to 4 bits) keys and values, for
+up to ``MAX_L`` queries per row (decode and verify steps); anything else (MX formats, longer
+chunks) keeps the pure-MLX paths. Where it cannot be built (no compiler, no nanobind, an MLX
+whose nanobind ABI differs), ``available()`` is False and nothing changes.
 
 Example (8 rows of affine4 K/V; the kernel equals the reference within float rounding):
     >>> from kvserve.cache.affine import QuantizedFormat
@@ -40,6 +41,7 @@ from typing import Any
 
 import mlx.core as mx
 from kvserve.cache.base import MASKED, causal_mask
+from kvserve.kernels.reference import attend_full, group_queries, ungroup
 
 log = logging.getLogger(__name__)
 
@@ -48,32 +50,69 @@ _NAME = "kvserve_cpu_attention"
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 
 
+RAW, AFFINE, TURBO = 0, 1, 2
+
+
 def supports(key_fmt, value_fmt, L: int) -> bool:
-    """Affine 4/8-bit keys and values (groups a multiple of 32), at most ``MAX_L`` queries."""
-    return L <= MAX_L and _affine(key_fmt) and _affine(value_fmt) and available()
+    """Raw, affine 4/8-bit or turbo keys and values, at most ``MAX_L`` queries per row."""
+    return L <= MAX_L and _spec(key_fmt) is not None and _spec(value_fmt) is not None and available()
 
 
-def _affine(fmt) -> bool:
-    f = getattr(fmt, "fmt", None)
-    return (type(fmt).__name__ == "QuantizedFormat" and f is not None and f.mode == "affine"
-            and f.bits in (4, 8) and f.group_size % 32 == 0)
+def _spec(fmt) -> tuple[int, int, int, tuple[float, ...]] | None:
+    """(kind, bits, group, centroids) of a format of the attention protocol; None: not served.
+
+        >>> from kvserve.cache.scheme import parse_scheme
+        >>> from kvserve.cache.turbo_codec import make_format
+        >>> s = parse_scheme("turbo8v3")
+        >>> [_spec(make_format(f, 64))[:3] for f in (s.keys, s.values)]
+        [(1, 8, 64), (2, 3, 0)]
+    """
+    kind = getattr(fmt, "kind", None)
+    inner = getattr(fmt, "fmt", None)  # cache.affine.QuantizedFormat wraps a ComponentFormat
+    if inner is not None:
+        kind = "affine" if inner.kind == "affine" and inner.mode == "affine" else None
+        bits, group = inner.bits, inner.group_size
+    else:
+        bits, group = getattr(fmt, "bits", 0), getattr(fmt, "group_size", 0)
+    if kind == "fp16":
+        return RAW, 16, 0, ()
+    if kind == "affine" and bits in (4, 8) and group % 32 == 0:
+        return AFFINE, bits, group, ()
+    if kind == "turbo" and fmt.codec.bits <= 4:
+        return TURBO, fmt.codec.bits, 0, _centroids(fmt.codec)
+    return None
+
+
+@functools.cache
+def _centroids(codec) -> tuple[float, ...]:
+    return tuple(codec.centroids.tolist())
+
+
+def _value_dim(spec, fmt, parts: tuple[mx.array, ...]) -> int:
+    if spec[0] == RAW:
+        return parts[0].shape[3]
+    if spec[0] == AFFINE:
+        return parts[0].shape[3] * 32 // spec[1]
+    return fmt.dim
 
 
 def attend_cpu(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
                values: tuple[mx.array, ...], scale: float, mask: Any,
                key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
-    """``dispatch.attend``'s signature: (B, H_q, L, D) queries over stored affine parts."""
+    """``dispatch.attend``'s signature: (B, H_q, L, D) queries over the stored parts. Queries
+    are prepared for the key format and the output finished for the value format here, as
+    in the reference (``group_queries`` / ``finish``)."""
     B, Hq, L, D = queries.shape
-    T = keys[0].shape[2]
-    if D % 32 or (keys[0].shape[3] * 32 // key_fmt.fmt.bits) != D:
-        from kvserve.kernels.reference import attend_full
-
+    Hkv, T = keys[0].shape[1], keys[0].shape[2]
+    ks, vs = _spec(key_fmt), _spec(value_fmt)
+    dv = _value_dim(vs, value_fmt, values)
+    step = 32 if AFFINE in (ks[0], vs[0]) or 4 in (ks[1], vs[1]) else 16
+    if D % step or dv % step:
         return attend_full(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale, sinks)
-    q = queries.astype(mx.float32) * scale
-    out = _module().affine_attention(q, *keys, key_fmt.fmt.bits, key_fmt.fmt.group_size, *values,
-                                     value_fmt.fmt.bits, value_fmt.fmt.group_size,
-                                     _additive(mask, B, Hq, L, T), sinks)
-    return out.astype(queries.dtype)
+    q = group_queries(queries, key_fmt, Hkv, scale, key_scale).reshape(B, Hq, L, D)
+    out = _module().stored_attention(q, *ks[:3], list(ks[3]), list(keys), *vs[:3], list(vs[3]), list(values),
+                                     dv, _additive(mask, B, Hq, L, T), sinks)
+    return ungroup(value_fmt.finish(out.reshape(B, Hkv, Hq // Hkv, L, dv)), queries)
 
 
 def _additive(mask: Any, B: int, Hq: int, L: int, T: int) -> mx.array | None:

@@ -183,12 +183,12 @@ _register_cuda_kernels()
 
 
 def _register_cpu_kernels() -> None:
-    """Offer the CPU kernel for affine K/V (``cpu_attention``). Its tests run on every CPU
+    """Offer the CPU kernel for stored K/V (``cpu_attention``). Its tests run on every CPU
     this project is tested on; it is built on its first call, and where it cannot be built
     ``supports`` says no and the MLX paths above serve."""
     from kvserve.kernels import cpu_attention
 
-    register_kernel(FusedKernel("cpu-affine", mx.cpu, cpu_attention.supports, cpu_attention.attend_cpu,
+    register_kernel(FusedKernel("cpu-stored", mx.cpu, cpu_attention.supports, cpu_attention.attend_cpu,
                                 verified_on=(mx.cpu,)))
 
 

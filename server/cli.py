@@ -70,9 +70,9 @@ def _engine_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-batch-size", type=int, help="requests running together (default 8)")
     serve.add_argument("--max-step-tokens", type=int,
                        help="tokens per engine step, decodes plus prompt chunks (default 256)")
-    serve.add_argument("--max-kv-tokens", type=int,
-                       help="KV tokens all requests may hold; beyond it requests are preempted "
-                            "(swapped to disk) and resume later (default: no bound)")
+    serve.add_argument("--kv-memory", help="bytes the KV caches of all requests may hold, e.g. 4GiB; "
+                                           "beyond it requests are preempted (swapped to disk) and "
+                                           "resume later (default: a quarter of the machine's memory)")
     serve.add_argument("--queue-timeout", type=float,
                        help="seconds a request may wait in the queue before it gets 503 "
                             "queue_timeout (default 600; 0: no limit)")
@@ -122,7 +122,7 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "engine.max_queued_requests": args.max_queued_requests,
         "engine.max_batch_size": args.max_batch_size,
         "engine.max_step_tokens": args.max_step_tokens,
-        "engine.max_kv_tokens": args.max_kv_tokens,
+        "engine.kv_memory": args.kv_memory,
         "engine.queue_timeout_s": args.queue_timeout,
         "engine.speculative": args.speculative,
         "engine.num_draft_tokens": args.num_draft_tokens,
@@ -179,6 +179,7 @@ def serve(config: ServerConfig) -> int:
                                 config.engine.speculative, group), config.engine)
     loaded = engine.start()
     _progress(f"serving {loaded.info.describe()}")
+    _progress(f"KV memory: {engine.kv_budget.describe()}")
     _progress(f"listening on http://{config.http.host}:{config.http.port}")
     # uvicorn re-raises the signals it caught under the handler installed before it started:
     # make that a no-op so the engine stops cleanly and the process exits 0.

@@ -118,9 +118,9 @@ def test_choose_follows_the_cpu_crossover():
 
 @pytest.fixture
 def without_cpu_kernel(monkeypatch):
-    """The dispatch as it is without the CPU kernel for affine K/V (test_cpu_attention.py
+    """The dispatch as it is without the CPU kernel for stored K/V (test_cpu_attention.py
     covers it), so that the paths and kernels below are what serves these calls."""
-    monkeypatch.setattr(dispatch, "_KERNELS", [k for k in dispatch._KERNELS if k.name != "cpu-affine"])
+    monkeypatch.setattr(dispatch, "_KERNELS", [k for k in dispatch._KERNELS if k.name != "cpu-stored"])
     monkeypatch.setattr(dispatch, "_CANDIDATES", {})
 
 

@@ -114,6 +114,16 @@ def test_table_rope_matches_fast_rope(dims, offset, length):
     assert float(mx.abs(got - want).max()) < 1e-4
 
 
+@pytest.mark.parametrize("length", [1, 3])
+def test_table_rope_gathers_per_row_offsets(length):
+    """A batch cache's offsets (one per row): the gathered rows equal mx.fast.rope's."""
+    x = mx.random.normal((3, 4, length, 16))
+    offsets = mx.array([0, 37, 2000])
+    want = mx.fast.rope(x, 16, traditional=False, base=10000.0, scale=1.0, offset=offsets)
+    got = fastpath.TableRoPE(16, 10000.0, positions=2048 + length)(x, offset=offsets)
+    assert float(mx.abs(got - want).max()) < 1e-4
+
+
 def test_fast_path_decode_matches_model():
     """Prefill + three decode steps: logits of the fast path (TableRoPE,
     last-position logits) against the unmodified model, and equal caches."""

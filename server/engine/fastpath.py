@@ -50,19 +50,33 @@ _TABLES: dict[tuple[int, float, float], _Table] = {}
 
 class TableRoPE(nn.Module):
     """Drop-in for a non-traditional ``nn.RoPE`` (same arguments, same result
-    within float32 rounding), computed from a shared cos/sin table."""
+    within float32 rounding), computed from a shared cos/sin table.
 
-    def __init__(self, dims: int, base: float = 10000.0, scale: float = 1.0):
+    Per-sequence offsets (a batch cache's ``offset`` array) gather each row's positions from
+    the table when it covers ``positions`` (the model's context, which no request passes);
+    on the CPU ``mx.fast.rope`` with an offset array is a chain of some 15 operations with
+    sin and cos per call. Without ``positions`` such calls keep ``mx.fast.rope``."""
+
+    def __init__(self, dims: int, base: float = 10000.0, scale: float = 1.0, positions: int = 0):
         super().__init__()
         self.dims, self.base, self.scale = dims, base, scale
         key = (dims, float(base), float(scale))
         self._table = _TABLES.setdefault(key, _Table(*key))
+        self._positions = positions
+        if positions:
+            self._table.rows(0, positions)  # grown once, here, so every gather stays inside
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         if not isinstance(offset, int):  # per-sequence offsets (batched caches)
-            return mx.fast.rope(x, self.dims, traditional=False, base=self.base,
-                                scale=self.scale, offset=offset)
-        cos, sin = self._table.rows(offset, x.shape[-2])
+            if not self._positions:
+                return mx.fast.rope(x, self.dims, traditional=False, base=self.base,
+                                    scale=self.scale, offset=offset)
+            rows = offset.reshape(-1, 1) + mx.arange(x.shape[-2])  # (B, L) positions
+            rows = mx.minimum(rows, self._positions - 1)  # never read past the table
+            cos = mx.take(self._table.cos, rows, axis=0)[:, None]  # (B, 1, L, dims)
+            sin = mx.take(self._table.sin, rows, axis=0)[:, None]
+        else:
+            cos, sin = self._table.rows(offset, x.shape[-2])
         d, h = self.dims, self.dims // 2
         rot, rest = (x, None) if x.shape[-1] == d else (x[..., :d], x[..., d:])
         out = rot * cos + mx.concatenate([rot[..., h:], rot[..., :h]], -1) * sin
@@ -71,15 +85,23 @@ class TableRoPE(nn.Module):
         return out if out.dtype == x.dtype else out.astype(x.dtype)
 
 
-def install_table_rope(model: nn.Module) -> int:
+# Positions a table is grown to for batched calls, at most: 65536 x 128 dims is 64 MiB of
+# cos/sin. Models with a longer context keep mx.fast.rope for those calls.
+MAX_TABLE_POSITIONS = 1 << 16
+
+
+def install_table_rope(model: nn.Module, context: int = 0) -> int:
     """Replace each plain non-traditional ``nn.RoPE`` in ``model`` by a
     :class:`TableRoPE`; returns how many were replaced.  Scaled variants
-    (Llama 3, YaRN, ...) are other classes and are left alone."""
+    (Llama 3, YaRN, ...) are other classes and are left alone. ``context``: the longest
+    sequence served, for which batched calls gather their rows (0, or more than
+    ``MAX_TABLE_POSITIONS``: batched calls keep ``mx.fast.rope``)."""
+    positions = context if 0 < context <= MAX_TABLE_POSITIONS else 0
     count = 0
     for _, module in model.named_modules():
         for name, child in module.children().items():
             if type(child) is nn.RoPE and not child.traditional and child.dims % 2 == 0:
-                setattr(module, name, TableRoPE(child.dims, child.base, child.scale))
+                setattr(module, name, TableRoPE(child.dims, child.base, child.scale, positions))
                 count += 1
     return count
 

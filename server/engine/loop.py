@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvserve.configs import EngineConfig
+from kvserve.server.engine.kv_memory import KVBudget, kv_budget
 from kvserve.server.engine.metrics import EngineMetrics
 from kvserve.server.engine.output import OutputState, StopMatcher
 from kvserve.server.engine.request import FinishReason, Request, RequestStatus, TokenEvent, Usage
@@ -46,6 +47,7 @@ class LoadedModel:
     tokenizer: Any  # mlx-lm TokenizerWrapper
     info: Any  # ModelInfo
     grammars: Any = None  # Grammars: structured output for this tokenizer
+    kv_token_bytes: int = 0  # what one token adds to a request's KV cache (kv_memory.token_bytes)
 
 
 @dataclass
@@ -72,11 +74,12 @@ class Engine:
         self._down: str | None = None  # why the engine stopped serving (EngineDown)
         self._down_event = threading.Event()
         self.model: LoadedModel | None = None
+        self.kv_budget: KVBudget | None = None  # known once the model is loaded
         # submit() bounds what is in flight; the inbox may hand the scheduler all of it at
         # once, before a step admits any, so its waiting queue holds that whole bound.
         self.scheduler = Scheduler(config.max_batch_size, config.prefill_step_size,
                                    config.max_queued_requests + config.max_batch_size,
-                                   config.max_step_tokens, config.max_kv_tokens,
+                                   config.max_step_tokens, None,  # KV tokens: set once loaded
                                    config.num_draft_tokens if config.speculative != "off" else 0)
         self._live: dict[str, _Live] = {}
         self.metrics = EngineMetrics(kv_scheme="")  # named once the model (and scheme) loaded
@@ -159,6 +162,9 @@ class Engine:
             self._load_error = exc
             self._ready.set()
             return
+        self.kv_budget = kv_budget(self.config.kv_memory, self.model.kv_token_bytes)
+        self.scheduler.max_kv_tokens = self.kv_budget.tokens
+        self.metrics.kv_budget_bytes = self.kv_budget.bytes
         self.metrics.kv_scheme = self.model.info.kv_scheme
         self.metrics.memory = self.model.runner.memory
         if self.model.runner.prefix is not None:  # files found at start-up show before any step

@@ -94,6 +94,7 @@ class EngineMetrics:
         self.waiting = 0
         self.running = 0
         self.kv_bytes = 0
+        self.kv_budget_bytes = 0  # --kv-memory, or its default
         self.kv_bytes_by_rank: dict[int, int] = {}  # a model split across processes: each one's
         self.swapped = 0
         # ModelRunner.memory, read at each render: allocator counters need no engine step.
@@ -116,6 +117,8 @@ class EngineMetrics:
                      self.swapped),
             *_metric("kvserve_kv_cache_bytes", "gauge", "Bytes allocated by the KV caches of live requests.",
                      self.kv_bytes, scheme),
+            *_metric("kvserve_kv_budget_bytes", "gauge",
+                     "Bytes the KV caches of live requests may hold (--kv-memory).", self.kv_budget_bytes, scheme),
             *_by_rank("kvserve_kv_cache_rank_bytes", "Bytes of KV caches held by each process of a split model.",
                       self.kv_bytes_by_rank, scheme),
             *_metric("kvserve_prompt_tokens_total", "counter", "Prompt tokens computed (cached ones not).",

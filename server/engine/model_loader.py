@@ -44,13 +44,14 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                cache: CacheConfig | None = None, speculative: str = "off", group=None) -> LoadedModel:
     """The model (this rank's shard of it with ``group``), its runner and prefix cache."""
     from kvserve.server.engine.fastpath import install_table_rope
+    from kvserve.server.engine.kv_memory import token_bytes
     from kvserve.server.engine.grammar import Grammars
     from kvserve.server.engine.runner import ModelRunner
 
     bundle = load_bundle(config, kv_scheme=scheme.name, blas=blas, progress=progress,
                          check=lambda model: _check_servable(model, scheme, model_id_for(config.model, config.model)),
                          group=group)
-    install_table_rope(bundle.model)
+    install_table_rope(bundle.model, bundle.info.context_length)
     layout = _layout(bundle.model, scheme)
     if speculative != "off" and "state" in layout:
         raise ModelLoadError(f"speculative decoding needs layers that can drop rejected tokens row by row; "
@@ -67,7 +68,8 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
             prefix = AgreedPrefix(prefix, group)
     grammars = Grammars(bundle.tokenizer, bundle.info.vocab_size)
     runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, speculative)
-    return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars)
+    return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars,
+                       kv_token_bytes=token_bytes(bundle.model, scheme))
 
 
 def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer, scheme: KVScheme,

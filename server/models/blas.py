@@ -105,6 +105,11 @@ def _enable(settings: BlasSettings) -> BlasInfo:
         return BlasInfo("reference", False, f"no fast BLAS set-up for {sys.platform}")
     if not settings.enabled:
         return BlasInfo("reference", False, "disabled by KVSERVE_FAST_BLAS")
+    # OpenBLAS's idle threads poll for ~2^28 cycles after each product before they sleep; on
+    # a 2-core machine that polling took a core from the shim's helper and the engine (a
+    # 4 ms time slice lost after a small product). 2^4 cycles: they sleep at once. Read once,
+    # when the library loads, which importing the package does.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     try:
         import scipy_openblas32  # noqa: PLC0415  (optional dependency)
     except ImportError:

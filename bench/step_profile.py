@@ -1,0 +1,117 @@
+"""Where a decode step's time goes, per phase, for each KV scheme and batch size.
+
+    python bench/step_profile.py [--schemes fp16,affine4,turbo0v4] [--batches 1,8] [--context 160]
+                                 [--weight-format auto] [--mlx-attention] [--out docs/benchmarks/cpu-step.md]
+
+Loads the served model the way ``kvserve serve`` does (BLAS shim, weight format, RoPE table,
+KV scheme), prefills ``batch`` rows of ``context`` tokens, merges them, and times greedy
+decode steps, each evaluated before the next. Phases of a step:
+
+* **graph**: Python building the step's lazy graph (mlx-lm's modules, the caches' code);
+* **products**: time inside the BLAS shim's ``cblas_sgemm`` (the weight products, and the
+  per-head products of MLX's own attention where it runs), from the shim's own clock;
+* **other ops**: the rest of the evaluation: attention kernels, norms, RoPE, cache writes,
+  the argmax, and MLX's per-operation overhead.
+
+``--weight-format dense-f32`` and ``--mlx-attention`` (the CPU attention kernel unregistered)
+give the step as it was before decode products read the packed codes and attention had its
+CPU kernel, on the same machine in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def profile(model, scheme_name: str, batch: int, context: int, steps: int) -> dict[str, float]:
+    """Median milliseconds of each phase over ``steps`` decode steps (after 8 warm-up steps)."""
+    import mlx.core as mx
+
+    from kvserve.cache import PromptCache, parse_scheme
+    from kvserve.server.models.blas import codes_library
+
+    lib = codes_library()
+    clock = (lambda: 0) if lib is None else lib.kvserve_blas_product_ns
+    if lib is not None:
+        lib.kvserve_blas_product_ns.restype = ctypes.c_ulonglong
+    scheme = parse_scheme(scheme_name)
+    caches = []
+    for row in range(batch):
+        cache = PromptCache.for_model(model, scheme)
+        model(mx.array([[(17 * row + 31 * i) % 1000 + 10 for i in range(context)]]), cache=cache)
+        cache.begin_decode()
+        mx.eval(cache.state)
+        caches.append(cache)
+    cache = PromptCache.merge(caches)
+    tokens = mx.zeros((batch, 1), dtype=mx.int32)
+    phases: dict[str, list[float]] = {"graph": [], "products": [], "other ops": [], "step": []}
+    for i in range(steps + 8):
+        start, ns = time.perf_counter(), clock()
+        tokens = mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1)[:, None]
+        built = time.perf_counter()
+        mx.eval(tokens)
+        end = time.perf_counter()
+        if i >= 8:
+            products = (clock() - ns) / 1e9
+            phases["graph"].append(built - start)
+            phases["products"].append(products)
+            phases["other ops"].append(end - built - products)
+            phases["step"].append(end - start)
+    return {name: statistics.median(v) * 1e3 for name, v in phases.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model directory (default: the default model)")
+    p.add_argument("--schemes", default="fp16,affine4,turbo0v4")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--context", type=int, default=160)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--weight-format", default="auto")
+    p.add_argument("--mlx-attention", action="store_true", help="without the CPU attention kernel")
+    p.add_argument("--out", help="also write the table to this markdown file")
+    args = p.parse_args(argv)
+
+    from kvserve.server.models.blas import enable_fast_blas
+
+    blas = enable_fast_blas()
+    from kvserve.bench.report import publish
+    from kvserve.cache import parse_scheme
+    from kvserve.configs import ModelConfig
+    from kvserve.server.engine.model_loader import load_model
+
+    if args.mlx_attention:
+        from kvserve.kernels import dispatch
+
+        dispatch.unregister_kernel("cpu-stored")
+    config = ModelConfig(model=args.model, weight_format=args.weight_format)
+    loaded = load_model(config, parse_scheme("fp16"), blas.describe())
+    model = loaded.runner.model
+    rows = []
+    for scheme in args.schemes.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            ms = profile(model, scheme, batch, args.context, args.steps)
+            rows.append(f"| {scheme} | {batch} | {ms['step']:.1f} | {ms['graph']:.1f} | {ms['products']:.1f} "
+                        f"| {ms['other ops']:.1f} | {batch / ms['step'] * 1e3:.0f} |")
+            print(rows[-1], file=sys.stderr, flush=True)
+    command = "python bench/step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = "\n".join([
+        f"Model: `{Path(loaded.info.source).name}`, weights {loaded.info.weight_format.split(' (')[0]}, "
+        f"attention {'MLX ops' if args.mlx_attention else 'CPU kernel where it serves'}; "
+        f"{args.context}-token rows; {platform.processor() or platform.machine()}; `{command.strip()}`",
+        "",
+        "| scheme | rows | step ms | graph ms | products ms | other ops ms | tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows, ""])
+    publish(text, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
