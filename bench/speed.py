@@ -171,8 +171,10 @@ def _start_server(model: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    # No prefix cache: every run must compute its prompt (a cached one is answered at once).
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve", "--model", model,
-                             "--port", str(port), "--log-level", "warning"],
+                             "--port", str(port), "--log-level", "warning",
+                             "--prompt-cache-ram-gb", "0", "--prompt-cache-disk-gb", "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

@@ -7,8 +7,9 @@ decode step over an fp16 cache (docs/benchmarks/cpu-step.md). The kernel here is
 primitive written in C++ (the extension API MLX ships: its headers and nanobind), built once
 per machine with the system compiler into the cache directory, like the BLAS shim. It serves
 raw, affine 4/8-bit (groups a multiple of 32) and turbo (up to 4 bits) keys and values, for
-up to ``MAX_L`` queries per row (decode and verify steps); anything else (MX formats, longer
-chunks) keeps the pure-MLX paths. Where it cannot be built (no compiler, no nanobind, an MLX
+decode, verify and prefill alike (a 256-token affine4 chunk: 6.3 ms against 48 ms for the
+``quantized_matmul`` path and 8.9 ms for float32 SDPA); MX formats keep the pure-MLX paths,
+and so do calls whose scores would pass ``MAX_SCORES`` (the blockwise reference). Where it cannot be built (no compiler, no nanobind, an MLX
 whose nanobind ABI differs), ``available()`` is False and nothing changes.
 
 Example (8 rows of affine4 K/V; the kernel equals the reference within float rounding):
@@ -41,11 +42,13 @@ from typing import Any
 
 import mlx.core as mx
 from kvserve.cache.base import MASKED, causal_mask
-from kvserve.kernels.reference import attend_full, group_queries, ungroup
+from kvserve.kernels.reference import attend_blockwise, group_queries, ungroup
 
 log = logging.getLogger(__name__)
 
-MAX_L = 16  # queries per row: decode and verify steps (a prefill chunk keeps MLX's matmuls)
+# Scores one (row, KV head) pair holds at once: n_rep * L * T floats, 64 MiB. Larger calls
+# (long prompt chunks over long contexts) take the blockwise reference, whose memory is bounded.
+MAX_SCORES = 1 << 24
 _NAME = "kvserve_cpu_attention"
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 
@@ -54,8 +57,8 @@ RAW, AFFINE, TURBO = 0, 1, 2
 
 
 def supports(key_fmt, value_fmt, L: int) -> bool:
-    """Raw, affine 4/8-bit or turbo keys and values, at most ``MAX_L`` queries per row."""
-    return L <= MAX_L and _spec(key_fmt) is not None and _spec(value_fmt) is not None and available()
+    """Raw, affine 4/8-bit or turbo keys and values, any number of queries per row."""
+    return _spec(key_fmt) is not None and _spec(value_fmt) is not None and available()
 
 
 def _spec(fmt) -> tuple[int, int, int, tuple[float, ...]] | None:
@@ -107,8 +110,8 @@ def attend_cpu(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt
     ks, vs = _spec(key_fmt), _spec(value_fmt)
     dv = _value_dim(vs, value_fmt, values)
     step = 32 if AFFINE in (ks[0], vs[0]) or 4 in (ks[1], vs[1]) else 16
-    if D % step or dv % step:
-        return attend_full(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale, sinks)
+    if D % step or dv % step or (Hq // Hkv) * L * T > MAX_SCORES:
+        return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale, sinks=sinks)
     q = group_queries(queries, key_fmt, Hkv, scale, key_scale).reshape(B, Hq, L, D)
     out = _module().stored_attention(q, *ks[:3], list(ks[3]), list(keys), *vs[:3], list(vs[3]), list(values),
                                      dv, _additive(mask, B, Hq, L, T), sinks)

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU k
 TOL = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 SCHEMES = ["affine4", "affine8", "affine4-g32", "affine8-g128"]
 # (D, L, T, dtype, mask, sinks), cycled over the schemes so each value meets each scheme,
-# and thinned to every third: 108 calls rather than 324.
-GRID = itertools.product([64, 128], [1, 4, 16], [1, 63, 300], [mx.float32, mx.float16, mx.bfloat16],
+# and thinned to every third.
+GRID = itertools.product([64, 128], [1, 4, 40], [1, 63, 300], [mx.float32, mx.float16, mx.bfloat16],
                          ["none", "causal", "padded"], [False, True])
 CASES = [(SCHEMES[i % len(SCHEMES)], *c) for i, c in enumerate(GRID)
          if c[1] <= c[2] and c[0] % parse_scheme(SCHEMES[i % len(SCHEMES)]).keys.group_size == 0][::3]
@@ -85,13 +85,25 @@ def test_per_head_mask_and_fully_masked_rows():
     assert mx.allclose(got, want, atol=1e-5).item()
 
 
-def test_dispatch_picks_the_kernel_for_affine_decode_only():
+def test_dispatch_picks_the_kernel_for_every_format_it_reads():
     affine = QuantizedFormat(parse_scheme("affine4").keys)
     mx_fmt = QuantizedFormat(parse_scheme("mxfp4").keys)
     assert dispatch.choose(affine, affine, 1, 100, mx.cpu) == "cpu-stored"
-    assert dispatch.choose(affine, affine, cpu_attention.MAX_L, 100, mx.cpu) == "cpu-stored"
-    assert dispatch.choose(affine, affine, cpu_attention.MAX_L + 1, 100, mx.cpu) == "full"
+    assert dispatch.choose(affine, affine, 256, 100, mx.cpu) == "cpu-stored"
     assert dispatch.choose(mx_fmt, mx_fmt, 1, 100, mx.cpu) == "full"
+
+
+def test_calls_past_the_score_bound_take_the_blockwise_reference(monkeypatch):
+    """The same call, with the bound below its n_rep * L * T scores: the reference serves."""
+    scheme = parse_scheme("affine4")
+    fmt = QuantizedFormat(scheme.keys)
+    q = _rand((1, 4, 8, 64), 1)
+    kp, vp = _stored(_rand((1, 2, 40, 64), 2), scheme.keys), _stored(_rand((1, 2, 40, 64), 3), scheme.values)
+    monkeypatch.setattr(cpu_attention, "MAX_SCORES", 2 * 8 * 40 - 1)
+    calls = []
+    monkeypatch.setattr(cpu_attention, "attend_blockwise", lambda *a, **k: calls.append(1) or attend_full(*a, **k))
+    got = cpu_attention.attend_cpu(q, fmt, kp, fmt, vp, 0.125, "causal")
+    assert calls and mx.allclose(got, attend_full(q, fmt, kp, fmt, vp, 0.125, "causal"), atol=1e-5).item()
 
 
 def test_head_dim_of_three_groups():
