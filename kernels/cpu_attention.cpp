@@ -177,6 +177,10 @@ int permuted(int d, bool permute) {
   return base + (i % 2) * 16 + i / 2;
 }
 
+// Mask values at or below this hide a slot (cpu_attention.py turns boolean masks into the
+// float32 minimum); additive masks above it are added to the score.
+constexpr float kHidden = -1e37f;
+
 struct Call {
   int B, Hq, Hkv, L, T, D, Dv, mask_heads;
   const float* q;
@@ -211,7 +215,9 @@ void attend_pair(const Call& c, int b, int h, std::vector<float>& scratch) {
     int head = h * R + r / c.L, l = r % c.L;
     if (c.mask) {
       const float* m = c.mask + ((size_t(b) * c.mask_heads + (c.mask_heads > 1 ? head : 0)) * c.L + l) * T;
-      for (int t = 0; t < T; t++) sr[t] += m[t];
+      // A hidden slot (the float32 minimum, from a boolean mask) takes that value whatever
+      // its score: a slot outside a window or in padding may hold stale K, even infinite.
+      for (int t = 0; t < T; t++) sr[t] = m[t] <= kHidden ? m[t] : sr[t] + m[t];
     }
     float top = c.sinks ? c.sinks[head] : -INFINITY;
     for (int t = 0; t < T; t++) top = sr[t] > top ? sr[t] : top;
@@ -234,6 +240,7 @@ void attend_pair(const Call& c, int b, int h, std::vector<float>& scratch) {
   for (int t = 0; t < T; t++) {
     dequant_token(c.values, b, h, t, vd);
     for (int r = 0; r < rows; r++) {
+      if (s[size_t(r) * T + t] == 0.0f) continue;  // a hidden slot: its V is never read
       v16f p = splat(s[size_t(r) * T + t]);
       float* ar = acc + size_t(r) * Dv;
       for (int d = 0; d < Dv; d += 16) store(ar + d, load(ar + d) + p * load(vd + d));

@@ -59,12 +59,14 @@ def greedy(model, cache, prompt: list[int], n: int) -> tuple[list[int], mx.array
 # --- the container against mlx-lm ---
 
 def test_fp16_container_decodes_like_mlx_lm(model):
+    """The same tokens; logits equal to float32 rounding: on the CPU attention runs in
+    kvserve's kernel, which sums in another order than MLX's SDPA."""
     ours = PromptCache.for_model(model, "fp16")
     theirs = make_prompt_cache(model)
     a, la = greedy(model, ours, PROMPT, 16)
     b, lb = greedy(model, theirs, PROMPT, 16)
     assert a == b
-    assert mx.array_equal(la, lb).item()
+    assert mx.allclose(la, lb, atol=1e-4, rtol=1e-4).item()
     assert all(type(layer) is FP16KVCache for layer in ours) and ours.offset == len(PROMPT) + 16
 
 

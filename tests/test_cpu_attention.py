@@ -19,6 +19,7 @@ import pytest
 from kvserve.cache.affine import QuantizedFormat
 from kvserve.cache.base import causal_mask
 from kvserve.cache.scheme import parse_scheme
+from kvserve.cache.turbo_codec import RawFormat
 from kvserve.kernels import cpu_attention, dispatch
 from kvserve.kernels.reference import attend_full
 
@@ -106,6 +107,21 @@ def test_calls_past_the_score_bound_take_the_blockwise_reference(monkeypatch):
     assert calls and mx.allclose(got, attend_full(q, fmt, kp, fmt, vp, 0.125, "causal"), atol=1e-5).item()
 
 
+def test_stale_slots_behind_a_mask_never_leak():
+    """Slots a boolean mask hides (outside a window, padding) may hold anything, even inf:
+    the output equals the same call with those slots zeroed."""
+    fmt = RawFormat(64)
+    q = _rand((1, 4, 1, 64), 1)
+    k, v = _rand((1, 2, 20, 64), 2), _rand((1, 2, 20, 64), 3)
+    hidden = mx.arange(20) < 6  # the first 6 slots hidden
+    mask = ~hidden[None, None, None]
+    stale = lambda x: mx.where(hidden[None, None, :, None], mx.array(float("inf")), x)  # noqa: E731
+    clean = lambda x: mx.where(hidden[None, None, :, None], 0.0, x)  # noqa: E731
+    got = cpu_attention.attend_cpu(q, fmt, (stale(k),), fmt, (stale(v),), 0.125, mask)
+    want = attend_full(q, fmt, (clean(k),), fmt, (clean(v),), 0.125, mask)
+    assert mx.all(mx.isfinite(got)).item() and mx.allclose(got, want, atol=1e-5).item()
+
+
 def test_head_dim_of_three_groups():
     """D = 96: three groups of 32, three 32-wide steps of the kernel per token."""
     scheme = parse_scheme("affine4-g32")
@@ -121,6 +137,7 @@ import json
 from kvserve.kernels import cpu_attention, dispatch
 from kvserve.cache.affine import QuantizedFormat
 from kvserve.cache.scheme import parse_scheme
+from kvserve.cache.turbo_codec import RawFormat
 f = QuantizedFormat(parse_scheme("affine4").keys)
 print(json.dumps({"available": cpu_attention.available(), "choice": dispatch.choose(f, f, 1, 10)}))
 """

@@ -63,12 +63,39 @@ def pair(request, default_model_dir, tmp_path_factory):
     assert one.stop() == 0, one.output()
 
 
+# Quantized K/V, split against whole: the ranks' partial products round differently, a value
+# on a quantization boundary can take the other code, and a near-tie can flip. Where replies
+# part, the split run's token must be the whole run's runner-up, less than this many nats below
+# (test_architectures.py's bound).
+NEAR_TIE = 0.25
+
+
+def tie_gap(whole, split) -> float | None:
+    """At the first token where two greedy chat replies part, how far the split run's pick
+    sat below the whole run's in the whole run (None: they agree)."""
+    for mine, theirs in zip(whole.choices[0].logprobs.content, split.choices[0].logprobs.content):
+        if mine.token != theirs.token:
+            ranked = {t.token: t.logprob for t in mine.top_logprobs}
+            assert theirs.token in ranked, f"{theirs.token!r} was not even the runner-up to {mine.token!r}"
+            return mine.logprob - ranked[theirs.token]
+    return None
+
+
 def test_greedy_replies_equal_one_process_alone_and_with_8_streams(pair):
+    """fp16: the same tokens. affine4: the same tokens, or a part at a near-tie."""
     one, two = pair
-    alone = [ask(two, p) for p in PROMPTS[:2]]
-    assert [r.choices[0].message.content for r in alone] == [ask(one, p).choices[0].message.content
-                                                             for p in PROMPTS[:2]]
-    assert answers(two, PROMPTS) == answers(one, PROMPTS)
+    extra = {"logprobs": True, "top_logprobs": 2}
+    for prompts in (PROMPTS[:2], PROMPTS):  # alone, then 8 streams together
+        whole = together([lambda p=p: ask(one, p, **extra) for p in prompts]) if len(prompts) > 2 \
+            else [ask(one, p, **extra) for p in prompts]
+        split = together([lambda p=p: ask(two, p, **extra) for p in prompts]) if len(prompts) > 2 \
+            else [ask(two, p, **extra) for p in prompts]
+        for w, s in zip(whole, split):
+            if two.scheme == "fp16":
+                assert s.choices[0].message.content == w.choices[0].message.content
+            else:
+                gap = tie_gap(w, s)
+                assert gap is None or gap < NEAR_TIE, (gap, w.choices[0].message.content, s.choices[0].message.content)
 
 
 def test_unseeded_sampling_and_choices_stay_in_step_across_ranks(pair):

@@ -115,7 +115,7 @@ def test_mxfp4_decode_matches_mlx():
 def test_dispatch_offers_cuda_kernels_only_on_cuda():
     names = [k.name for k in dispatch._KERNELS]
     assert any(n.startswith("cuda-") for n in names) == ON_CUDA
-    kf, _, vf, _ = _formats("affine4")
+    kf, _, vf, _ = _formats("mxfp4")  # a format the CPU kernel does not read
     assert dispatch.choose(kf, vf, 1, 4096, mx.cpu) == "blockwise"
     # No family is pre-verified: each must match the reference on its first call.
     assert not any(spec["verified"] for spec in ca.kernel_specs())
