@@ -16,6 +16,10 @@ import sys
 import mlx.core as mx
 import pytest
 
+from test_kernels import _case as kernel_case
+from test_kernels import _mask as kernel_mask
+
+from kvserve.cache import SCHEME_NAMES
 from kvserve.cache.affine import QuantizedFormat
 from kvserve.cache.base import causal_mask
 from kvserve.cache.scheme import parse_scheme
@@ -150,3 +154,20 @@ def test_without_a_compiler_the_mlx_path_serves(tmp_path):
                          timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"available": False, "choice": "full"}
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEME_NAMES if not n.startswith(("mx", "nv"))])
+@pytest.mark.parametrize("combo", range(3))
+def test_every_format_it_reads_equals_the_full_path(name, combo):
+    """Raw, affine and turbo keys and values (calibrated turbo keys included), through the
+    format objects the caches pass, with and without left padding and sinks."""
+    B, R, D, dtype = [(1, 1, 64, mx.float32), (3, 2, 128, mx.float16), (3, 3, 64, mx.bfloat16)][combo]
+    T, L = [(63, 1), (65, 4), (300, 1)][combo]
+    q, kf, kp, vf, vp, key_scale, _ = kernel_case(name, B, R, D, T, L, dtype)
+    assert cpu_attention.supports(kf, vf, L)
+    mask = kernel_mask(B, L, T, padded=combo > 0)
+    sinks = _rand((q.shape[1],), combo) if combo == 1 else None
+    got = cpu_attention.attend_cpu(q, kf, kp, vf, vp, D ** -0.5, mask, key_scale, sinks)
+    want = attend_full(q, kf, kp, vf, vp, D ** -0.5, mask, key_scale, sinks)
+    scale = max(1.0, mx.max(mx.abs(want.astype(mx.float32))).item())
+    assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() <= TOL[dtype] * scale
