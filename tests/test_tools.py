@@ -126,6 +126,20 @@ def test_a_call_cut_short_comes_back_as_text():
     assert split(fmt, text, 5) == [Text(text)]
 
 
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_an_end_marker_inside_a_string_does_not_end_the_call(size):
+    """A forced call's string may hold the end marker (a sampled reply held
+    "Paris}}</tool_call>  # in"): the call ends at the marker after which it parses."""
+    args = {"city": "Paris}}</tool_call>  # in", "days": 2}
+    text = f'<tool_call>\n{json.dumps({"name": "get_weather", "arguments": args})}\n</tool_call> Done.'
+    assert summary(split(ToolFormat.hermes(), text, size)) == (" Done.", [("get_weather", args)])
+
+
+def test_a_call_that_never_parses_comes_back_as_text_whole():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }</tool_call> more'
+    assert merge_texts(split(ToolFormat.hermes(), text, 3)) == [Text(text)]
+
+
 def test_text_that_only_looks_like_a_marker_start_is_released():
     assert merge_texts(split(ToolFormat.hermes(), "a < b and <tool is not a tag", 2)) == [Text("a < b and <tool is not a tag")]
 

@@ -213,7 +213,12 @@ class ReplySplitter:
             self._call += self._buffer
             self._buffer = ""
             return None, False
+        # The first end marker after which the call parses closes it: a string inside the
+        # call may hold the marker itself ({"city": "Paris}}</tool_call> in"} is valid JSON,
+        # and a grammar-forced call can sample it); a call that never parses ends as text.
         at = self._buffer.find(end)
+        while at >= 0 and not self._parses(self._call + self._buffer[:at]):
+            at = self._buffer.find(end, at + 1)
         if at < 0:
             keep = _partial_suffix(self._buffer, end)
             self._call += self._buffer[: len(self._buffer) - keep]
@@ -222,6 +227,13 @@ class ReplySplitter:
         text, self._buffer = self._call + self._buffer[:at], self._buffer[at + len(end):]
         self._mode, self._call = "content", ""
         return self._close_call(text, ended=False), True
+
+    def _parses(self, text: str) -> bool:
+        try:
+            self.fmt.parse(text, self.tools)
+        except Exception:  # noqa: BLE001 (any parse failure: not the end of the call yet)
+            return False
+        return True
 
     def _close_call(self, text: str, ended: bool) -> list[Piece]:
         self._mode = "content"
