@@ -11,7 +11,8 @@ decode steps, each evaluated before the next. Phases of a step:
 * **products**: time inside the BLAS shim's ``cblas_sgemm`` (the weight products, and the
   per-head products of MLX's own attention where it runs), from the shim's own clock;
 * **other ops**: the rest of the evaluation: attention kernels, norms, RoPE, cache writes,
-  the argmax, and MLX's per-operation overhead.
+  the argmax, and MLX's per-operation overhead;
+* **operations**: the nodes of one step's graph (``mx.export_to_dot``), views included.
 
 ``--weight-format dense-f32`` and ``--mlx-attention`` (the CPU attention kernel unregistered)
 give the step as it was before decode products read the packed codes and attention had its
@@ -21,49 +22,9 @@ CPU kernel, on the same machine in the same run.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
-
-
-def profile(model, scheme_name: str, batch: int, context: int, steps: int) -> dict[str, float]:
-    """Median milliseconds of each phase over ``steps`` decode steps (after 8 warm-up steps)."""
-    import mlx.core as mx
-
-    from kvserve.cache import PromptCache, parse_scheme
-    from kvserve.server.models.blas import codes_library
-
-    lib = codes_library()
-    clock = (lambda: 0) if lib is None else lib.kvserve_blas_product_ns
-    if lib is not None:
-        lib.kvserve_blas_product_ns.restype = ctypes.c_ulonglong
-    scheme = parse_scheme(scheme_name)
-    caches = []
-    for row in range(batch):
-        cache = PromptCache.for_model(model, scheme)
-        model(mx.array([[(17 * row + 31 * i) % 1000 + 10 for i in range(context)]]), cache=cache)
-        cache.begin_decode()
-        mx.eval(cache.state)
-        caches.append(cache)
-    cache = PromptCache.merge(caches)
-    tokens = mx.zeros((batch, 1), dtype=mx.int32)
-    phases: dict[str, list[float]] = {"graph": [], "products": [], "other ops": [], "step": []}
-    for i in range(steps + 8):
-        start, ns = time.perf_counter(), clock()
-        tokens = mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1)[:, None]
-        built = time.perf_counter()
-        mx.eval(tokens)
-        end = time.perf_counter()
-        if i >= 8:
-            products = (clock() - ns) / 1e9
-            phases["graph"].append(built - start)
-            phases["products"].append(products)
-            phases["other ops"].append(end - built - products)
-            phases["step"].append(end - start)
-    return {name: statistics.median(v) * 1e3 for name, v in phases.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     blas = enable_fast_blas()
     from kvserve.bench.report import publish
+    from kvserve.bench.step import profile
     from kvserve.cache import parse_scheme
     from kvserve.configs import ModelConfig
     from kvserve.server.engine.model_loader import load_model
@@ -98,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             ms = profile(model, scheme, batch, args.context, args.steps)
             rows.append(f"| {scheme} | {batch} | {ms['step']:.1f} | {ms['graph']:.1f} | {ms['products']:.1f} "
-                        f"| {ms['other ops']:.1f} | {batch / ms['step'] * 1e3:.0f} |")
+                        f"| {ms['other ops']:.1f} | {ms['ops']:,} | {batch / ms['step'] * 1e3:.0f} |")
             print(rows[-1], file=sys.stderr, flush=True)
     command = "python bench/step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = "\n".join([
@@ -106,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         f"attention {'MLX ops' if args.mlx_attention else 'CPU kernel where it serves'}; "
         f"{args.context}-token rows; {platform.processor() or platform.machine()}; `{command.strip()}`",
         "",
-        "| scheme | rows | step ms | graph ms | products ms | other ops ms | tok/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| scheme | rows | step ms | graph ms | products ms | other ops ms | operations | tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows, ""])
     publish(text, args.out)
     return 0

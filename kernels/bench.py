@@ -5,8 +5,9 @@
 For each context T: fp16 ``mx.fast.scaled_dot_product_attention``, mlx-lm's unfused
 quantized path on 4-bit K/V, and ours for affine4, mxfp4, turbo0v4 and turbo8v3 (on a
 GPU also affine8); B=8, 32 query heads over 8 KV heads, D=128, L=1. Ours is, on the CPU,
-the full path and the blockwise reference ("dispatch" marks the one
-``kvserve.kernels.dispatch`` picks at that T); on an NVIDIA GPU, the CUDA kernels of
+the full path, the blockwise reference and the CPU kernel (``kvserve.kernels.cpu_attention``,
+for the formats it reads; "dispatch" marks the one ``kvserve.kernels.dispatch`` picks at
+that T); on an NVIDIA GPU, the CUDA kernels of
 ``kvserve.kernels.cuda_attention`` (default contexts 1K to 64K there). Columns: median ms,
 K/V MiB read, effective GB/s (K/V bytes / time), peak MiB of all live arrays (K/V
 included) and the MiB the call added on top, max |ours - family's full-context
@@ -39,16 +40,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def plan(schemes=SCHEMES, device: str = "cpu") -> list[tuple[str, str]]:
-    """(scheme, impl) pairs measured at every context, baselines first.
+    """(scheme, impl) pairs measured at every context, baselines first; on the CPU, the CPU
+    kernel too for the formats it reads.
 
-        >>> plan(("affine4",))
-        [('fp16', 'fp16'), ('affine4', 'mlx-lm'), ('affine4', 'full'), ('affine4', 'blockwise')]
+        >>> plan(("affine4", "mxfp4"))[2:]
+        [('affine4', 'full'), ('affine4', 'blockwise'), ('affine4', 'cpu'), ('mxfp4', 'full'), ('mxfp4', 'blockwise')]
         >>> plan(("affine4",), "gpu")
         [('fp16', 'fp16'), ('affine4', 'mlx-lm'), ('affine4', 'cuda')]
     """
+    from kvserve.kernels.cpu_attention import reads
+
     rows = [("fp16", "fp16"), ("affine4", "mlx-lm")]
     for name in schemes:
-        rows += [(name, "cuda")] if device == "gpu" else [(name, "full"), (name, "blockwise")]
+        if device == "gpu":
+            rows.append((name, "cuda"))
+            continue
+        rows += [(name, "full"), (name, "blockwise")] + ([(name, "cpu")] if reads(*_formats(name)) else [])
     return rows
 
 
@@ -59,9 +66,13 @@ def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu") 
     calls = GPU_CALLS if device == "gpu" else 1
     results = {"machine": machine(), "copy_GB_s": bc.copy_bandwidth(calls=calls), "runs": []}
     schemes = GPU_SCHEMES if device == "gpu" else SCHEMES
+    from kvserve.kernels.cpu_attention import available
+
     for T in contexts:
         shape = bc.Shape(batch, 32, 8, 128, T)
         for scheme, impl in plan(schemes, device):
+            if impl == "cpu" and not available():
+                continue
             case = bc.build_case(scheme, impl, shape)
             row = bc.measure(case, repeats, calls=calls)
             picked = "yes" if _picked(scheme, impl, T) else ""
@@ -75,9 +86,8 @@ def _picked(scheme: str, impl: str, T: int) -> bool:
     from kvserve.kernels.dispatch import choose
     if impl in ("fp16", "mlx-lm"):
         return False
-    if impl == "cuda":
-        return choose(*_formats(scheme), 1, T).startswith("cuda-")
-    return choose(None, None, 1, T) == impl
+    picked = choose(*_formats(scheme), 1, T)
+    return picked.startswith(impl + "-") if impl in ("cuda", "cpu") else picked == impl
 
 
 def _formats(scheme: str):

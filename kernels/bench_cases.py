@@ -18,7 +18,7 @@ import mlx.core as mx
 from kvserve.cache.affine import QuantizedFormat, attend_quantized, quantize_parts
 from kvserve.cache.scheme import parse_scheme
 from kvserve.cache.turbo_codec import attend_encoded, make_format
-from kvserve.kernels import cuda_attention, dispatch, reference
+from kvserve.kernels import cpu_attention, cuda_attention, dispatch, reference
 
 try:
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
@@ -139,7 +139,7 @@ def _encode_in_chunks(fmt, x: mx.array, chunk: int = 4096) -> tuple[mx.array, ..
 
 
 def _path(path: str) -> Callable[..., mx.array]:
-    return {"dispatch": dispatch.attend, "full": reference.attend_full,
+    return {"dispatch": dispatch.attend, "full": reference.attend_full, "cpu": cpu_attention.attend_cpu,
             "blockwise": reference.attend_blockwise, "cuda": cuda_attention.attend_cuda}[path]
 
 
@@ -159,7 +159,7 @@ def _diff(a: mx.array, want: Callable[[], mx.array], T: int) -> float | str:
 
 def build_case(scheme_name: str, impl: str, shape: Shape) -> Case:
     """impl: "fp16" (mx.fast SDPA), "mlx-lm" (4-bit unfused) or a path of ours:
-    "dispatch", "full", "blockwise" over ``scheme_name``."""
+    "dispatch", "full", "blockwise", "cpu" (the CPU kernel), "cuda" over ``scheme_name``."""
     if impl == "fp16":
         return _fp16_case(shape)
     if impl == "mlx-lm":

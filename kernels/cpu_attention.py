@@ -42,7 +42,7 @@ from typing import Any
 
 import mlx.core as mx
 from kvserve.cache.base import MASKED, causal_mask
-from kvserve.kernels.reference import attend_blockwise, group_queries, ungroup
+from kvserve.kernels.reference import attend_blockwise, format_key, group_queries, ungroup
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,18 @@ RAW, AFFINE, TURBO = 0, 1, 2
 
 def supports(key_fmt, value_fmt, L: int) -> bool:
     """Raw, affine 4/8-bit or turbo keys and values, any number of queries per row."""
-    return _spec(key_fmt) is not None and _spec(value_fmt) is not None and available()
+    return reads(key_fmt, value_fmt) and available()
 
 
-def _spec(fmt) -> tuple[int, int, int, tuple[float, ...]] | None:
+def reads(key_fmt, value_fmt) -> bool:
+    """Whether the kernel reads these formats (built here or not)."""
+    return _spec(key_fmt) is not None and _spec(value_fmt) is not None
+
+
+_SPECS: dict[tuple, tuple | None] = {}  # by format_key: attention asks for every layer, every step
+
+
+def _spec(fmt) -> tuple[int, int, int, list[float]] | None:
     """(kind, bits, group, centroids) of a format of the attention protocol; None: not served.
 
         >>> from kvserve.cache.scheme import parse_scheme
@@ -70,6 +78,13 @@ def _spec(fmt) -> tuple[int, int, int, tuple[float, ...]] | None:
         >>> [_spec(make_format(f, 64))[:3] for f in (s.keys, s.values)]
         [(1, 8, 64), (2, 3, 0)]
     """
+    key = format_key(fmt)
+    if key not in _SPECS:
+        _SPECS[key] = _spec_of(fmt)
+    return _SPECS[key]
+
+
+def _spec_of(fmt) -> tuple[int, int, int, list[float]] | None:
     kind = getattr(fmt, "kind", None)
     inner = getattr(fmt, "fmt", None)  # cache.affine.QuantizedFormat wraps a ComponentFormat
     if inner is not None:
@@ -78,17 +93,12 @@ def _spec(fmt) -> tuple[int, int, int, tuple[float, ...]] | None:
     else:
         bits, group = getattr(fmt, "bits", 0), getattr(fmt, "group_size", 0)
     if kind == "fp16":
-        return RAW, 16, 0, ()
+        return RAW, 16, 0, []
     if kind == "affine" and bits in (4, 8) and group % 32 == 0:
-        return AFFINE, bits, group, ()
+        return AFFINE, bits, group, []
     if kind == "turbo" and fmt.codec.bits <= 4:
-        return TURBO, fmt.codec.bits, 0, _centroids(fmt.codec)
+        return TURBO, fmt.codec.bits, 0, fmt.codec.centroids.tolist()
     return None
-
-
-@functools.cache
-def _centroids(codec) -> tuple[float, ...]:
-    return tuple(codec.centroids.tolist())
 
 
 def _value_dim(spec, fmt, parts: tuple[mx.array, ...]) -> int:
@@ -113,8 +123,7 @@ def attend_cpu(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt
     if D % step or dv % step or (Hq // Hkv) * L * T > MAX_SCORES:
         return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale, sinks=sinks)
     q = group_queries(queries, key_fmt, Hkv, scale, key_scale).reshape(B, Hq, L, D)
-    out = _module().stored_attention(q, *ks[:3], list(ks[3]), list(keys), *vs[:3], list(vs[3]), list(values),
-                                     dv, _additive(mask, B, Hq, L, T), sinks)
+    out = _module().stored_attention(q, *ks, list(keys), *vs, list(values), dv, _additive(mask, B, Hq, L, T), sinks)
     return ungroup(value_fmt.finish(out.reshape(B, Hkv, Hq // Hkv, L, dv)), queries)
 
 

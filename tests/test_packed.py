@@ -28,7 +28,7 @@ def shim(tmp_path_factory):
     import scipy_openblas32
 
     lib = Path(scipy_openblas32.get_lib_dir()) / scipy_openblas32.get_library(True)
-    return ctypes.CDLL(str(blas._build_shim(lib, tmp_path_factory.mktemp("shim"), None)))
+    return blas._shim(str(blas._build_shim(lib, tmp_path_factory.mktemp("shim"), None)))
 
 
 def _quantized(n: int, k: int, bits: int, group: int, seed: int) -> nn.QuantizedLinear:
@@ -37,8 +37,6 @@ def _quantized(n: int, k: int, bits: int, group: int, seed: int) -> nn.Quantized
 
 
 def _register(shim, dense: np.ndarray, layout) -> None:
-    p = ctypes.c_void_p
-    shim.kvserve_packed_add.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, p]
     n, k = dense.shape
     assert shim.kvserve_packed_add(dense.ctypes.data, n, k, layout.group, layout.bits, layout.codes.ctypes.data,
                                    layout.scales.ctypes.data, layout.biases.ctypes.data) == 1
@@ -53,7 +51,6 @@ def _product(shim, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float, be
 
 
 def _calls(shim) -> int:
-    shim.kvserve_packed_calls.restype = ctypes.c_ulonglong
     return shim.kvserve_packed_calls()
 
 
@@ -112,8 +109,6 @@ def test_removed_weight_is_read_dense_again(shim):
 
 @needs_openblas
 def test_registration_refuses_shapes_the_kernel_cannot_take(shim):
-    p = ctypes.c_void_p
-    shim.kvserve_packed_add.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, p]
     buf = np.zeros(4096, np.float32)
     for n, k, g, bits in [(8, 64, 16, 4), (8, 48, 32, 4), (8, 64, 32, 3), (0, 64, 32, 4)]:
         assert shim.kvserve_packed_add(buf.ctypes.data, n, k, g, bits, buf.ctypes.data, buf.ctypes.data,

@@ -8,10 +8,10 @@ state, TurboQuant's key calibration) do not count and every layer kind counts at
 stores. A scheme that stores fewer bytes per token gets proportionally more tokens, so more
 rows are admitted before requests wait or are preempted.
 
-Example (a 2 GiB budget at 23,040 bytes per token, the default model in fp16):
-    >>> b = KVBudget(2 << 30, 23040, "--kv-memory")
+Example (a 2 GiB budget at 7,200 bytes per token, the default model in affine4):
+    >>> b = KVBudget(2 << 30, 7200, "--kv-memory")
     >>> b.tokens, b.describe()
-    (93206, '2.0 GiB (--kv-memory) = 93,206 tokens at 23,040 B per token')
+    (298261, '2.0 GiB (--kv-memory) = 298,261 tokens at 7,200 B per token')
 """
 
 from __future__ import annotations

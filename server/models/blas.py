@@ -27,6 +27,7 @@ so prefill is as fast but decode misses the gemv path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -90,12 +91,23 @@ def blas_info() -> BlasInfo | None:
 
 
 def codes_library() -> ctypes.CDLL | None:
-    """The loaded shim when it serves MLX's products, for ``packed.py``'s registrations;
-    None otherwise (no shim, or MLX bound to OpenBLAS directly)."""
+    """The loaded shim when it serves MLX's products, for ``packed.py``'s registrations
+    (signatures declared); None otherwise (no shim, or MLX bound to OpenBLAS directly)."""
     if _INFO is None or not _INFO.active or not _INFO.library:
         return None
-    lib = ctypes.CDLL(_INFO.library)
-    return lib if hasattr(lib, "kvserve_packed_add") else None
+    return _shim(_INFO.library)
+
+
+@functools.cache
+def _shim(path: str) -> ctypes.CDLL | None:
+    lib = ctypes.CDLL(path)
+    if not hasattr(lib, "kvserve_packed_add"):
+        return None
+    p = ctypes.c_void_p
+    lib.kvserve_packed_add.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, p]
+    lib.kvserve_packed_remove.argtypes = [p]
+    lib.kvserve_packed_calls.restype = lib.kvserve_blas_product_ns.restype = ctypes.c_ulonglong
+    return lib
 
 
 def _enable(settings: BlasSettings) -> BlasInfo:

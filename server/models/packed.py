@@ -80,17 +80,14 @@ def codes_layout(m: nn.Module) -> CodesLayout | None:
 
 
 class PackedCodes:
-    """A dense weight registered with the shim together with its codes; unregistered when
-    this object is collected (it lives on the module that owns the weight)."""
+    """A dense weight registered with the shim (``blas.codes_library()``, whose signatures
+    are declared there) together with its codes; unregistered when this object is collected
+    (it lives on the module that owns the weight)."""
 
     def __init__(self, lib: ctypes.CDLL, dense: mx.array, layout: CodesLayout):
         self.dense, self.layout = dense, layout
         n, k = dense.shape
         self.address = np.frombuffer(memoryview(dense), dtype=np.float32).ctypes.data
-        ptr = ctypes.c_void_p
-        lib.kvserve_packed_add.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                           ptr, ptr, ptr]
-        lib.kvserve_packed_remove.argtypes = [ptr]
         self.registered = bool(lib.kvserve_packed_add(
             self.address, n, k, layout.group, layout.bits, layout.codes.ctypes.data,
             layout.scales.ctypes.data, layout.biases.ctypes.data))
@@ -116,6 +113,5 @@ def attach_codes(module: nn.Module, quantized: nn.Module, lib: ctypes.CDLL) -> b
 
 
 def packed_calls(lib: ctypes.CDLL) -> int:
-    """Products the shim computed from codes so far (tests and the start-up check)."""
-    lib.kvserve_packed_calls.restype = ctypes.c_ulonglong
+    """Products the shim computed from codes so far (tests)."""
     return int(lib.kvserve_packed_calls())

@@ -76,8 +76,7 @@ def choose_weight_format(model: nn.Module, format: str = "auto", budget_s: float
     if format != "auto":
         if format not in FORMATS:
             raise ValueError(f"unknown weight format {format!r}; one of {FORMATS} or 'auto'")
-        if format == DENSE_CODES and codes_library() is None:
-            raise ValueError(f"{DENSE_CODES} needs kvserve's BLAS shim (Linux, scipy-openblas32, a C compiler)")
+        _shim_for(format)
         return WeightChoice(format, "requested", {}, device)
     if device == "gpu":
         return WeightChoice(AS_LOADED, "GPU: keeps the model's own weights", {}, device)
@@ -94,10 +93,8 @@ def apply_weight_format(model: nn.Module, choice: WeightChoice | str) -> nn.Modu
     name = choice.name if isinstance(choice, WeightChoice) else choice
     if name == AS_LOADED:
         return model
-    if name == DENSE_CODES and codes_library() is None:
-        raise ValueError(f"{DENSE_CODES} needs kvserve's BLAS shim (Linux, scipy-openblas32, a C compiler)")
     if name in (DENSE_F32, DENSE_CODES):
-        _dequantize_modules(model, codes_library() if name == DENSE_CODES else None)
+        _dequantize_modules(model, _shim_for(name))
     elif name != AFFINE_F32:
         raise ValueError(f"unknown weight format {name!r}")
     # Everything else (norms, scales, biases, embeddings) to float32 too, so the
@@ -105,6 +102,17 @@ def apply_weight_format(model: nn.Module, choice: WeightChoice | str) -> nn.Modu
     model.update(tree_map(_to_f32, model.parameters()))
     mx.eval(model.parameters())
     return model
+
+
+def _shim_for(name: str):
+    """The shim the format's decode products go through (None for formats without codes);
+    raises for ``DENSE_CODES`` where the shim does not serve MLX."""
+    if name != DENSE_CODES:
+        return None
+    lib = codes_library()
+    if lib is None:
+        raise ValueError(f"{DENSE_CODES} needs kvserve's BLAS shim (Linux, scipy-openblas32, a C compiler)")
+    return lib
 
 
 # -- candidates -------------------------------------------------------------
@@ -253,7 +261,7 @@ def _op(m: nn.Module, fmt: str, act: mx.Dtype) -> Callable[[mx.array], mx.array]
     dense.weight = _dense_weight(m) if isinstance(m, nn.QuantizedLinear) else m.weight.astype(mx.float32)
     mx.eval(dense.weight)
     if fmt == DENSE_CODES and isinstance(m, nn.QuantizedLinear):
-        attach_codes(dense, m, codes_library())
+        attach_codes(dense, m, _shim_for(fmt))
     return lambda x: x @ dense.weight.T
 
 
