@@ -11,8 +11,8 @@ verify steps, L <= 16) on a GPU, and every call on the CPU:
     (``bench/gpu_padded_attention.py``);
   * on the CPU the dispatch's CPU kernel runs (``kvserve.kernels.cpu_attention``): MLX's CPU
     SDPA is unfused (a matmul per head), and the kernel, which reads each token's K/V once
-    for all the query heads that share it, took half its time at 8 rows x 160 tokens and
-    0.7x of it for a 256-token prompt chunk.
+    for all the query heads that share it, is faster here (``bench/step_profile.py`` and
+    ``kvserve bench-attention --device cpu`` measure both).
 """
 
 from __future__ import annotations

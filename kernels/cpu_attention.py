@@ -7,10 +7,10 @@ decode step over an fp16 cache (docs/benchmarks/cpu-step.md). The kernel here is
 primitive written in C++ (the extension API MLX ships: its headers and nanobind), built once
 per machine with the system compiler into the cache directory, like the BLAS shim. It serves
 raw, affine 4/8-bit (groups a multiple of 32) and turbo (up to 4 bits) keys and values, for
-decode, verify and prefill alike (a 256-token affine4 chunk: 6.3 ms against 48 ms for the
-``quantized_matmul`` path and 8.9 ms for float32 SDPA); MX formats keep the pure-MLX paths,
-and so do calls whose scores would pass ``MAX_SCORES`` (the blockwise reference). Where it cannot be built (no compiler, no nanobind, an MLX
-whose nanobind ABI differs), ``available()`` is False and nothing changes.
+decode, verify and prefill alike (``kvserve bench-attention --device cpu`` measures it beside
+the MLX paths); MX formats keep the pure-MLX paths, and so do calls whose scores would pass
+``MAX_SCORES`` (the blockwise reference). Where it cannot be built (no compiler, no
+nanobind, an MLX whose nanobind ABI differs), ``available()`` is False and nothing changes.
 
 Example (8 rows of affine4 K/V; the kernel equals the reference within float rounding):
     >>> from kvserve.cache.affine import QuantizedFormat
