@@ -44,7 +44,7 @@ def plan(schemes=SCHEMES, device: str = "cpu") -> list[tuple[str, str]]:
     kernel too for the formats it reads.
 
         >>> plan(("affine4", "mxfp4"))[2:]
-        [('affine4', 'full'), ('affine4', 'blockwise'), ('affine4', 'cpu'), ('mxfp4', 'full'), ('mxfp4', 'blockwise')]
+        [('affine4', 'full'), ('affine4', 'blockwise'), ('affine4', 'cpu'), ('mxfp4', 'full'), ('mxfp4', 'blockwise'), ('fp16', 'cpu')]
         >>> plan(("affine4",), "gpu")
         [('fp16', 'fp16'), ('affine4', 'mlx-lm'), ('affine4', 'cuda')]
     """
@@ -56,7 +56,7 @@ def plan(schemes=SCHEMES, device: str = "cpu") -> list[tuple[str, str]]:
             rows.append((name, "cuda"))
             continue
         rows += [(name, "full"), (name, "blockwise")] + ([(name, "cpu")] if reads(*_formats(name)) else [])
-    return rows
+    return rows + ([("fp16", "cpu")] if device == "cpu" else [])  # fp16 K/V through the kernel
 
 
 def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu") -> dict:
@@ -84,7 +84,7 @@ def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu") 
 def _picked(scheme: str, impl: str, T: int) -> bool:
     """Whether ``kvserve.kernels.dispatch.attend`` runs ``impl`` for this scheme at T."""
     from kvserve.kernels.dispatch import choose
-    if impl in ("fp16", "mlx-lm"):
+    if impl in ("fp16", "mlx-lm") or scheme == "fp16":  # the fp16 cache picks its path itself
         return False
     picked = choose(*_formats(scheme), 1, T)
     return picked.startswith(impl + "-") if impl in ("cuda", "cpu") else picked == impl
@@ -95,7 +95,7 @@ def _formats(scheme: str):
     from kvserve.cache.scheme import parse_scheme
     from kvserve.cache.turbo_codec import make_format
     s = parse_scheme(scheme)
-    if s.values.kind == "turbo":
+    if s.values.kind in ("turbo", "fp16"):
         return make_format(s.keys, 128), make_format(s.values, 128)
     return QuantizedFormat(s.keys), QuantizedFormat(s.values)
 

@@ -123,7 +123,8 @@ def _turbo_case(scheme_name: str, shape: Shape, path: str) -> Case:
     kp, vp = _encode_in_chunks(kf, k), _encode_in_chunks(vf, v)
     scale, fn = shape.D ** -0.5, _path(path)
     run = lambda x: fn(x, kf, kp, vf, vp, scale, None)
-    want = lambda: attend_encoded(q, kf, kp, vf, vp, scale, None)
+    oracle = attend_encoded if scheme.values.kind == "turbo" else reference.attend_full  # fp16: no family oracle
+    want = lambda: oracle(q, kf, kp, vf, vp, scale, None)
     return Case(f"ours {scheme_name} ({path})", run, _nbytes(kp) + _nbytes(vp),
                 lambda: _diff(run(q), want, shape.T), [q, *kp, *vp])
 
@@ -164,7 +165,7 @@ def build_case(scheme_name: str, impl: str, shape: Shape) -> Case:
         return _fp16_case(shape)
     if impl == "mlx-lm":
         return _mlx_lm_case(shape)
-    if parse_scheme(scheme_name).values.kind == "turbo":
+    if parse_scheme(scheme_name).values.kind in ("turbo", "fp16"):  # formats of turbo_codec
         return _turbo_case(scheme_name, shape, impl)
     return _affine_case(scheme_name, shape, impl)
 
