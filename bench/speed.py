@@ -228,7 +228,7 @@ def load_ours(path: str, weight_format: str):
     """The engine's start-up sequence: load, choose + apply weights, fast path."""
     import mlx_lm
 
-    from kvserve.server.engine.fastpath import install_table_rope
+    from kvserve.server.engine.fastpath import install_cpu_ops, install_table_rope
     from kvserve.server.models.weights import apply_weight_format, choose_weight_format
 
     model, tokenizer = mlx_lm.load(path)
@@ -237,13 +237,16 @@ def load_ours(path: str, weight_format: str):
     chose_s = time.perf_counter() - t
     apply_weight_format(model, choice)
     ropes = install_table_rope(model)
+    install_cpu_ops(model)
     return model, tokenizer, choice, chose_s, ropes
 
 
 def ablations(model, ids: list[int], args) -> list[tuple[str, dict]]:
-    """Our path without each piece, one at a time (TableRoPE removed last)."""
+    """Our path without each piece, one at a time (the CPU primitives, then TableRoPE,
+    removed last)."""
     import mlx.nn as nn
 
+    from kvserve.server.engine import fastpath
     from kvserve.server.engine.fastpath import TableRoPE
 
     gen, reps, step = args.gen_tokens, args.reps, args.prefill_step
@@ -251,6 +254,10 @@ def ablations(model, ids: list[int], args) -> list[tuple[str, dict]]:
              measure(model, ids, gen, reps, step, pipelined=False)),
             ("without last-position-only logits", measure(model, ids, gen, reps, step, last_only=False)),
             (f"with the prompt in one {len(ids)}-token chunk", measure(model, ids, gen, reps, len(ids)))]
+    for _, mod in model.named_modules():
+        if type(mod).__module__ == fastpath.__name__ and type(mod).__name__.startswith("Cpu"):
+            mod.__class__ = mod.__class__.__bases__[0]  # the mlx-lm class it was made from
+    rows.append(("without the CPU norm/linear/SwiGLU primitives", measure(model, ids, gen, reps, step)))
     for _, mod in model.named_modules():
         for name, child in mod.children().items():
             if isinstance(child, TableRoPE):
@@ -313,7 +320,8 @@ def render(args, info, base: dict | None, ours: dict, extra, meta: dict) -> str:
               "is prompt tokens over the time to the first streamed token, decode is the tokens after "
               f"the first over the time to the last ({ours['gen_tokens']} generated). The model loop row "
               "runs the same start-up in this process: `enable_fast_blas()` (the BLAS line above), the weight format "
-              "measured at start-up, `TableRoPE` in place of `nn.RoPE`, prefill in chunks with logits for the "
+              "measured at start-up, `TableRoPE` in place of `nn.RoPE`, the one-operation CPU norms, linears "
+              "and SwiGLU (`install_cpu_ops`), prefill in chunks with logits for the "
               "last position only, greedy decoding pipelined with `mx.async_eval`." + (
                   " The rows \"without ...\" each leave one piece out (TableRoPE stays out in "
                   "the last row)." if args.ablate else "")]

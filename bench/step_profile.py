@@ -1,7 +1,8 @@
 """Where a decode step's time goes, per phase, for each KV scheme and batch size.
 
     python bench/step_profile.py [--schemes fp16,affine4,turbo0v4] [--batches 1,8] [--context 160]
-                                 [--weight-format auto] [--mlx-attention] [--out docs/benchmarks/cpu-step.md]
+                                 [--weight-format auto] [--mlx-attention] [--mlx-layer-ops]
+                                 [--out docs/benchmarks/cpu-step.md]
 
 Loads the served model the way ``kvserve serve`` does (BLAS shim, weight format, RoPE table,
 KV scheme), prefills ``batch`` rows of ``context`` tokens, merges them, and times greedy
@@ -16,7 +17,8 @@ decode steps, each evaluated before the next. Phases of a step:
 
 ``--weight-format dense-f32`` and ``--mlx-attention`` (the CPU attention kernel unregistered)
 give the step as it was before decode products read the packed codes and attention had its
-CPU kernel, on the same machine in the same run.
+CPU kernel; ``--mlx-layer-ops`` keeps RMSNorm, RoPE, linear layers, SwiGLU and turbo encoding in MLX
+operations (``kernels/cpu_ops`` off), as before they were one operation each.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--weight-format", default="auto")
     p.add_argument("--mlx-attention", action="store_true", help="without the CPU attention kernel")
+    p.add_argument("--mlx-layer-ops", action="store_true", help="without the CPU layer primitives")
     p.add_argument("--out", help="also write the table to this markdown file")
     args = p.parse_args(argv)
 
@@ -52,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.kernels import dispatch
 
         dispatch.unregister_kernel("cpu-stored")
+    if args.mlx_layer_ops:
+        from kvserve.kernels import cpu_ops
+
+        cpu_ops.available = lambda: False
     config = ModelConfig(model=args.model, weight_format=args.weight_format)
     loaded = load_model(config, parse_scheme("fp16"), blas.describe())
     model = loaded.runner.model
@@ -65,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = "\n".join([
         f"Model: `{Path(loaded.info.source).name}`, weights {loaded.info.weight_format.split(' (')[0]}, "
-        f"attention {'MLX ops' if args.mlx_attention else 'CPU kernel where it serves'}; "
+        f"attention {'MLX ops' if args.mlx_attention else 'CPU kernel where it serves'}, "
+        f"norms/RoPE/linears/SwiGLU/turbo encoding {'MLX ops' if args.mlx_layer_ops else 'one CPU operation each'}; "
         f"{args.context}-token rows; {platform.processor() or platform.machine()}; `{command.strip()}`",
         "",
         "| scheme | rows | step ms | graph ms | products ms | other ops ms | operations | tok/s |",

@@ -82,19 +82,25 @@ class FP16Codec:
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                mask: Any, sinks: mx.array | None = None) -> mx.array:
-        short = queries.shape[2] <= GROUPED_MAX_L
-        if mx.default_device().type == mx.cpu:
-            from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
-            from kvserve.cache.turbo_codec import RawFormat
+        return attend_raw(queries, keys, values, scale, mask, sinks)
 
-            kf, vf = RawFormat(keys.shape[-1]), RawFormat(values.shape[-1])
-            if dispatch.choose(kf, vf, queries.shape[2], keys.shape[2]) not in ("full", "blockwise"):
-                return dispatch.attend(queries, kf, (keys,), vf, (values,), scale, mask, sinks=sinks)
-        if (isinstance(mask, mx.array) and short and sinks is None
-                and mx.default_device().type == mx.gpu):
-            return attend_grouped(queries, keys, values, scale, mask)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
-                                                    sinks=sinks)
+
+def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+               sinks: mx.array | None = None) -> mx.array:
+    """Attention over unencoded K/V (the fp16 cache, and a turbo cache before it compresses):
+    on the CPU the fused kernel where the dispatch picks one (MLX's SDPA falls back to a chain
+    of operations there), on a GPU the grouped path for short masked calls, else MLX's SDPA."""
+    if mx.default_device().type == mx.cpu:
+        from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
+        from kvserve.cache.turbo_codec import RawFormat
+
+        kf, vf = RawFormat(keys.shape[-1]), RawFormat(values.shape[-1])
+        if dispatch.choose(kf, vf, queries.shape[2], keys.shape[2]) not in ("full", "blockwise"):
+            return dispatch.attend(queries, kf, (keys,), vf, (values,), scale, mask, sinks=sinks)
+    if (isinstance(mask, mx.array) and queries.shape[2] <= GROUPED_MAX_L and sinks is None
+            and mx.default_device().type == mx.gpu):
+        return attend_grouped(queries, keys, values, scale, mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 class FP16KVCache(FP16Codec, StoredKVCache):

@@ -30,6 +30,7 @@ import mlx.core as mx
 from kvserve.cache import registry
 from kvserve.cache.base import BatchStoredKVCache, StoredKVCache
 from kvserve.cache.buffer import DEFAULT_GRANULE, GrowableBuffer
+from kvserve.cache.fp16 import attend_raw
 from kvserve.cache.scheme import KEY_SEED, KVScheme, parse_scheme  # noqa: F401 (docstrings)
 from kvserve.cache.turbo_codec import F32, make_format
 
@@ -183,9 +184,8 @@ class _TurboMixin:
                sinks: mx.array | None = None) -> mx.array:
         """Attention over what ``update_and_fetch`` returned: queries (B, H_q, L, D) ->
         (B, H_q, L, D_v) in the queries' dtype."""
-        if self.phase == RAW:
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
-                                                        sinks=sinks)
+        if self.phase == RAW:  # a prompt before its first decode step
+            return attend_raw(queries, keys, values, scale, mask, sinks)
         from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
 
         return dispatch.attend(queries, self._kf, keys, self._vf, values, scale, mask, self.key_scale,

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvserve.cache.base import apply_mask, grouped_mask
+from kvserve.kernels import cpu_ops
 
 F32 = mx.float32
 _NORM_EPS = 1e-8  # unit vectors of all-zero rows (padding) stay zero instead of NaN
@@ -266,6 +267,10 @@ class TurboCodec:
         ``scale`` (broadcastable to (..., d)) is the per-dimension key calibration: the
         direction is quantized as y / s and decodes as c[idx] * s; rows whose scale is all
         ones are uncalibrated and keep the plain encoding."""
+        if scale is None and not self.norm_corrected and cpu_ops.available():
+            fused = cpu_ops.turbo_encode(x, self.pi, self.boundaries, self.bits, _NORM_EPS)
+            if fused is not None:  # the same encoding as one CPU operation (kernels/cpu_ops)
+                return fused
         return self.encode_unit(*self.unit_rotated(x), scale)
 
     def encode_unit(self, y: mx.array, n: mx.array, scale: mx.array | None = None) -> tuple[mx.array, mx.array]:

@@ -9,14 +9,15 @@
 //   raw     one array (B, H_kv, T, D) in float32, float16 or bfloat16;
 //   affine  mx.quantize codes (uint32), scales, biases (float32/float16/bfloat16), 4 or 8 bits;
 //   turbo   packed b-bit centroid indices (uint32, little-endian bit stream) and a float32
-//           norm per token: x = norm * centroid[idx] in the rotated basis. Queries come
-//           rotated (and calibrated) and the output leaves rotated: cpu_attention.py applies
-//           the format's ``prepare_queries`` / ``finish``, as the reference does.
-// Inputs: q (B, H_q, L, D) float32, contiguous, scaled (and prepared for the key format); the
-// components' arrays as the cache stores them, any strides with a contiguous last axis
-// (buffer views); optional additive mask (B, H_m, L, T) float32 with H_m in {1, H_q}; optional
-// sinks (H_q,). Output (B, H_q, L, D_v) float32. Work is split over (b, kv head) pairs between
-// this thread and the BLAS shim's helper thread (``kvserve_parallel``) when the shim is loaded.
+//           norm per token: x = norm * centroid[idx] in the rotated basis. Turbo keys
+//           score against rotated (and calibrated) queries, which cpu_attention.py prepares
+//           as the reference does; turbo values are rotated back in here (``unrotate``).
+// Inputs: q (B, H_q, L, D) float32, any strides, multiplied by ``q_scale`` as it is read (and
+// prepared for the key format); the components' arrays as the cache stores them, any strides
+// with a contiguous last axis (buffer views); optional additive mask (B, H_m, L, T) float32
+// with H_m in {1, H_q}; optional sinks (H_q,); optional unrotate (D_v, D_v), row-contiguous.
+// Output (B, H_q, L, D_v) float32. Work is split over (b, kv head) pairs between this thread
+// and the BLAS shim's helper thread (``kvserve_parallel``) when the shim is loaded.
 #include <dlfcn.h>
 
 #include <cmath>
@@ -39,30 +40,12 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "cpu_vec.h"
+
 namespace nb = nanobind;
 namespace mx = mlx::core;
 
 namespace {
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-v16f load(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
-void store(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-v16f splat(float x) { return v16f{} + x; }
-
-float hsum(v16f v) {
-#if defined(__AVX512F__)
-  __m512 w;
-  std::memcpy(&w, &v, sizeof w);
-  return _mm512_reduce_add_ps(w);
-#else
-  float s = 0;
-  for (int i = 0; i < 16; i++) s += v[i];
-  return s;
-#endif
-}
 
 // 16 bytes zero-extended to 16 lanes (compilers scalarize the generic conversion).
 v16u widen16(const uint8_t* c) {
@@ -80,27 +63,9 @@ v16u widen16(const uint8_t* c) {
   return u;
 }
 
-// exp for x <= 0 (softmax after the max is taken off), to about 2 ulp: 2^n * p(r) with
-// |r| <= ln2/2 and a degree-6 polynomial; below -87 it is 0.
-v16f exp_neg(v16f x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  v16f n = x * 1.44269504088896341f;
-  v16i ni = __builtin_convertvector(n + (n < 0 ? splat(-0.5f) : splat(0.5f)), v16i);
-  n = __builtin_convertvector(ni, v16f);
-  v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16f p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  v16i bits = (ni + 127) << 23;
-  v16f two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  v16f out = p * two_n;
-  return x <= -87.0f ? splat(0.0f) : out;
-}
+// exp for x <= 0 (softmax after the max is taken off); at or below -87 it is exactly 0, so
+// hidden slots get probability 0 and their V is never read.
+v16f exp_neg(v16f x) { return x <= -87.0f ? splat(0.0f) : exp_clamped(x); }
 
 enum Kind { RAW = 0, AFFINE = 1, TURBO = 2 };
 enum DType { F32 = 0, F16 = 1, BF16 = 2 };
@@ -152,6 +117,24 @@ void dequant_token(const Component& c, int b, int h, int t, float* out) {
   }
   float norm = static_cast<const float*>(c.scales)[so];
   if (c.bits == 4) {
+#if defined(__AVX512F__)
+    // The 16 centroids fill one register: vpermps looks 16 codes up at once.
+    __m512 table = _mm512_loadu_ps(c.table);
+    v16f n = splat(norm);
+    for (int k = 0; k < c.dim; k += 32) {
+      v16u u = widen16(p + k / 2), lo = u & 15u, hi = u >> 4;
+      __m512i li, hi_;
+      std::memcpy(&li, &lo, sizeof li);
+      std::memcpy(&hi_, &hi, sizeof hi_);
+      __m512 a = _mm512_permutexvar_ps(li, table), b = _mm512_permutexvar_ps(hi_, table);
+      v16f va, vb;
+      std::memcpy(&va, &a, sizeof va);
+      std::memcpy(&vb, &b, sizeof vb);
+      store(out + k, va * n);
+      store(out + k + 16, vb * n);
+    }
+    return;
+#endif
     for (int k = 0; k < c.dim; k += 32) {
       v16u u = widen16(p + k / 2);
       for (int i = 0; i < 16; i++) {
@@ -184,35 +167,123 @@ constexpr float kHidden = -1e37f;
 struct Call {
   int B, Hq, Hkv, L, T, D, Dv, mask_heads;
   const float* q;
+  int64_t q_strides[4];  // any layout: the queries arrive as RoPE or a projection left them
+  float q_scale;  // applied as the queries are read (raw and affine keys need nothing else)
   Component keys, values;
   const float* mask;  // (B, mask_heads, L, T) or null
   const float* sinks;  // (H_q,) or null
+  const float* unrotate;  // (Dv, Dv): turbo values leave rotated; out = acc @ unrotate. Or null
   float* out;
 };
 
-void attend_pair(const Call& c, int b, int h, std::vector<float>& scratch) {
-  const int R = c.Hq / c.Hkv, rows = R * c.L, T = c.T, D = c.D, Dv = c.Dv;
-  scratch.resize(size_t(rows) * (T + D + Dv) + D + Dv);
-  float* s = scratch.data();  // rows x T scores, then probabilities
-  float* qp = s + size_t(rows) * T;  // rows x D permuted queries
-  float* acc = qp + size_t(rows) * D;  // rows x Dv accumulators (permuted)
-  float* kd = acc + size_t(rows) * Dv;
-  float* vd = kd + D;
-  for (int r = 0; r < rows; r++) {
-    const float* src = c.q + ((size_t(b) * c.Hq + h * R + r / c.L) * c.L + r % c.L) * D;
-    for (int d = 0; d < D; d++) qp[size_t(r) * D + permuted(d, c.keys.permuted)] = src[d];
+// Query rows (heads sharing a KV head, times queries) of one work item: a (b, KV head) pair
+// split into items of at most kItemRows rows, so that a prompt chunk of one sequence (one b,
+// few KV heads) still divides evenly between the two threads.
+constexpr int kItemRows = 64;
+// Rows scored together against a block of kTokenBlock decoded tokens: the rows' queries or
+// accumulators and the block's keys or values stay in cache. The same dot products and
+// accumulation order as one row at a time, so the same bits.
+constexpr int kRowBlock = 16;
+constexpr int kTokenBlock = 256;
+
+// The first m of 16 scores (m < 16 at the end of the context).
+inline void put(float* dst, v16f a, int m) {
+  if (m == 16) {
+    store(dst, a);
+    return;
   }
-  for (int t = 0; t < T; t++) {
-    dequant_token(c.keys, b, h, t, kd);
-    for (int r = 0; r < rows; r++) {
-      v16f a = {};
-      for (int d = 0; d < D; d += 16) a += load(qp + size_t(r) * D + d) * load(kd + d);
-      s[size_t(r) * T + t] = hsum(a);
+  float x[16];
+  store(x, a);
+  std::memcpy(dst, x, m * sizeof(float));
+}
+
+// The scores of 16 tokens (``blk``: their keys, dimension-major) for one query row: a sum
+// over d in order.
+inline void score1(const float* q, int D, const float* blk, float* dst, int m) {
+  v16f a = {};
+  for (int d = 0; d < D; d++) a += splat(q[d]) * load(blk + d * 16);
+  put(dst, a, m);
+}
+
+// Four rows at once, each summed exactly as score1 does: four independent chains of
+// multiply-adds instead of one that waits on its own latency.
+inline void score4(const float* q, int D, const float* blk, float* dst, int T, int m) {
+  v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int d = 0; d < D; d++) {
+    v16f k = load(blk + d * 16);
+    a0 += splat(q[d]) * k;
+    a1 += splat(q[D + d]) * k;
+    a2 += splat(q[2 * D + d]) * k;
+    a3 += splat(q[3 * D + d]) * k;
+  }
+  put(dst, a0, m);
+  put(dst + T, a1, m);
+  put(dst + 2 * T, a2, m);
+  put(dst + 3 * T, a3, m);
+}
+
+// acc[0 : 16 * nv] += p_t * v_t for tokens [t0, t1) in order, held in registers; ``vals``
+// is the token block (row stride Dv), ``p`` the row's probabilities. A hidden slot (p == 0)
+// never reads its V (it may hold stale values, even infinite ones).
+inline void accumulate(float* acc, int nv, const float* p, int t0, int t1, const float* vals, int Dv) {
+  v16f a[4] = {};
+  for (int i = 0; i < nv; i++) a[i] = load(acc + 16 * i);
+  for (int t = t0; t < t1; t++) {
+    if (p[t] == 0.0f) continue;
+    v16f w = splat(p[t]);
+    const float* v = vals + size_t(t - t0) * Dv;
+    for (int i = 0; i < nv; i++) a[i] += w * load(v + 16 * i);
+  }
+  for (int i = 0; i < nv; i++) store(acc + 16 * i, a[i]);
+}
+
+int items_per_pair(const Call& c) {
+  int rows = (c.Hq / c.Hkv) * c.L;
+  return (rows + kItemRows - 1) / kItemRows;
+}
+
+// Rows [g0, g0 + n) of pair (b, h). Scratch: n x T scores, then n x D queries, n x Dv
+// accumulators, kTokenBlock decoded tokens, and their keys dimension-major.
+void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>& scratch) {
+  const int R = c.Hq / c.Hkv, T = c.T, D = c.D, Dv = c.Dv, W = D > Dv ? D : Dv;
+  scratch.resize(size_t(n) * (T + D + Dv) + size_t(kTokenBlock) * (W + D));
+  float* s = scratch.data();  // n x T scores, then probabilities
+  float* qp = s + size_t(n) * T;  // n x D permuted queries
+  float* acc = qp + size_t(n) * D;  // n x Dv accumulators (permuted)
+  float* tokens = acc + size_t(n) * Dv;  // decoded keys or values of one token block
+  auto head_of = [&](int r) { return h * R + (g0 + r) / c.L; };
+  auto query_of = [&](int r) { return (g0 + r) % c.L; };
+  for (int r = 0; r < n; r++) {
+    const float* src = c.q + b * c.q_strides[0] + head_of(r) * c.q_strides[1] + query_of(r) * c.q_strides[2];
+    for (int d = 0; d < D; d++)
+      qp[size_t(r) * D + permuted(d, c.keys.permuted)] = src[d * c.q_strides[3]] * c.q_scale;
+  }
+  // Scores 16 tokens at a time: keys decoded, then laid out dimension-major (D x 16), so a
+  // row's 16 scores are D multiply-adds into one register, summed over d in order (the same
+  // order for every L and batch, so decode, verify and prompt chunks agree bit for bit).
+  float* kt = tokens + size_t(kTokenBlock) * W;
+  for (int t0 = 0; t0 < T; t0 += kTokenBlock) {
+    int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
+    for (int t = t0; t < t1; t++) dequant_token(c.keys, b, h, t, tokens + size_t(t - t0) * D);
+    for (int j = t0; j < t1; j += 16) {
+      float* blk = kt + size_t(j - t0) * D;
+      for (int i = 0; i < 16; i++) {
+        const float* k = tokens + size_t(j - t0 + i) * D;
+        bool real = j + i < t1;
+        for (int d = 0; d < D; d++) blk[d * 16 + i] = real ? k[d] : 0.0f;
+      }
     }
+    for (int r0 = 0; r0 < n; r0 += kRowBlock)
+      for (int j = t0; j < t1; j += 16) {
+        const float* blk = kt + size_t(j - t0) * D;
+        int m = t1 - j < 16 ? t1 - j : 16, r1 = r0 + kRowBlock < n ? r0 + kRowBlock : n, r = r0;
+        for (; r + 4 <= r1; r += 4) score4(qp + size_t(r) * D, D, blk, s + size_t(r) * T + j, T, m);
+        for (; r < r1; r++) score1(qp + size_t(r) * D, D, blk, s + size_t(r) * T + j, m);
+      }
   }
-  for (int r = 0; r < rows; r++) {
+  for (int r = 0; r < n; r++) {
     float* sr = s + size_t(r) * T;
-    int head = h * R + r / c.L, l = r % c.L;
+    int head = head_of(r), l = query_of(r);
     if (c.mask) {
       const float* m = c.mask + ((size_t(b) * c.mask_heads + (c.mask_heads > 1 ? head : 0)) * c.L + l) * T;
       // A hidden slot (the float32 minimum, from a boolean mask) takes that value whatever
@@ -222,12 +293,12 @@ void attend_pair(const Call& c, int b, int h, std::vector<float>& scratch) {
     float top = c.sinks ? c.sinks[head] : -INFINITY;
     for (int t = 0; t < T; t++) top = sr[t] > top ? sr[t] : top;
     for (int t = 0; t < T; t += 16) {  // the tail through the same exp, padded
-      int n = T - t < 16 ? T - t : 16;
+      int m = T - t < 16 ? T - t : 16;
       float x[16];
       std::fill(x, x + 16, top);
-      std::memcpy(x, sr + t, n * sizeof(float));
+      std::memcpy(x, sr + t, m * sizeof(float));
       store(x, exp_neg(load(x) - top));
-      std::memcpy(sr + t, x, n * sizeof(float));
+      std::memcpy(sr + t, x, m * sizeof(float));
     }
     // In token order, one at a time: a left-padded row (whose hidden slots add exact zeros)
     // then sums exactly as the same sequence alone, so a batch changes no bit of its rows.
@@ -236,26 +307,39 @@ void attend_pair(const Call& c, int b, int h, std::vector<float>& scratch) {
     float inv = 1.0f / sum;
     for (int t = 0; t < T; t++) sr[t] *= inv;
   }
-  std::fill(acc, acc + size_t(rows) * Dv, 0.0f);
-  for (int t = 0; t < T; t++) {
-    dequant_token(c.values, b, h, t, vd);
-    for (int r = 0; r < rows; r++) {
-      if (s[size_t(r) * T + t] == 0.0f) continue;  // a hidden slot: its V is never read
-      v16f p = splat(s[size_t(r) * T + t]);
-      float* ar = acc + size_t(r) * Dv;
-      for (int d = 0; d < Dv; d += 16) store(ar + d, load(ar + d) + p * load(vd + d));
-    }
+  std::fill(acc, acc + size_t(n) * Dv, 0.0f);
+  for (int t0 = 0; t0 < T; t0 += kTokenBlock) {
+    int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
+    for (int t = t0; t < t1; t++) dequant_token(c.values, b, h, t, tokens + size_t(t - t0) * Dv);
+    for (int r = 0; r < n; r++)
+      for (int d0 = 0; d0 < Dv; d0 += 64)
+        accumulate(acc + size_t(r) * Dv + d0, Dv - d0 < 64 ? (Dv - d0) / 16 : 4, s + size_t(r) * T, t0, t1,
+                   tokens + d0, Dv);
   }
-  for (int r = 0; r < rows; r++) {
-    float* dst = c.out + ((size_t(b) * c.Hq + h * R + r / c.L) * c.L + r % c.L) * Dv;
-    for (int d = 0; d < Dv; d++) dst[d] = acc[size_t(r) * Dv + permuted(d, c.values.permuted)];
+  for (int r = 0; r < n; r++) {
+    float* dst = c.out + ((size_t(b) * c.Hq + head_of(r)) * c.L + query_of(r)) * Dv;
+    if (!c.unrotate) {
+      for (int d = 0; d < Dv; d++) dst[d] = acc[size_t(r) * Dv + permuted(d, c.values.permuted)];
+      continue;
+    }
+    std::fill(dst, dst + Dv, 0.0f);  // one inverse rotation per output row, not per token
+    for (int i = 0; i < Dv; i++) {
+      v16f y = splat(acc[size_t(r) * Dv + permuted(i, c.values.permuted)]);
+      const float* row = c.unrotate + size_t(i) * Dv;
+      for (int d = 0; d < Dv; d += 16) store(dst + d, load(dst + d) + y * load(row + d));
+    }
   }
 }
 
+// Work items [i0, i1): item i is rows [k * kItemRows, ...) of pair i / per, k = i % per.
 void attend_range(void* ctx, int i0, int i1) {
   const Call& c = *static_cast<const Call*>(ctx);
+  const int per = items_per_pair(c), rows = (c.Hq / c.Hkv) * c.L;
   std::vector<float> scratch;
-  for (int i = i0; i < i1; i++) attend_pair(c, i / c.Hkv, i % c.Hkv, scratch);
+  for (int i = i0; i < i1; i++) {
+    int pair = i / per, g0 = (i % per) * kItemRows;
+    attend_rows(c, pair / c.Hkv, pair % c.Hkv, g0, rows - g0 < kItemRows ? rows - g0 : kItemRows, scratch);
+  }
 }
 
 using RangeFn = void (*)(void*, int, int);
@@ -303,8 +387,14 @@ Component component(const Spec& spec, const mx::array* a, int dim) {
 
 class StoredAttention : public mx::Primitive {
  public:
-  StoredAttention(mx::Stream s, Spec keys, Spec values, bool mask, bool sinks)
-      : mx::Primitive(s), keys_(std::move(keys)), values_(std::move(values)), mask_(mask), sinks_(sinks) {}
+  StoredAttention(mx::Stream s, Spec keys, Spec values, bool mask, bool sinks, bool unrotate, float q_scale)
+      : mx::Primitive(s),
+        keys_(std::move(keys)),
+        values_(std::move(values)),
+        mask_(mask),
+        sinks_(sinks),
+        unrotate_(unrotate),
+        q_scale_(q_scale) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -314,6 +404,8 @@ class StoredAttention : public mx::Primitive {
     c.B = q.shape(0); c.Hq = q.shape(1); c.L = q.shape(2); c.D = q.shape(3); c.Dv = out.shape(3);
     c.Hkv = in[1].shape(1); c.T = in[1].shape(2);
     c.q = q.data<float>();
+    for (int i = 0; i < 4; i++) c.q_strides[i] = q.strides()[i];
+    c.q_scale = q_scale_;
     size_t next = 1;
     c.keys = component(keys_, &in[next], c.D);
     next += keys_.arrays();
@@ -324,17 +416,18 @@ class StoredAttention : public mx::Primitive {
       c.mask_heads = in[next].shape(1);
       next++;
     }
-    if (sinks_) c.sinks = in[next].data<float>();
+    if (sinks_) c.sinks = in[next++].data<float>();
+    if (unrotate_) c.unrotate = in[next].data<float>();
     c.out = out.data<float>();
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : in) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.dispatch([c]() mutable {
       static ParallelFn parallel = reinterpret_cast<ParallelFn>(dlsym(RTLD_DEFAULT, "kvserve_parallel"));
-      int pairs = c.B * c.Hkv;
-      long work = long(pairs) * (c.Hq / c.Hkv) * c.L * c.T * (c.D + c.Dv);
-      if (parallel) parallel(attend_range, &c, pairs, work);
-      else attend_range(&c, 0, pairs);
+      int items = c.B * c.Hkv * items_per_pair(c);
+      long work = long(c.B) * c.Hq * c.L * c.T * (c.D + c.Dv);
+      if (parallel) parallel(attend_range, &c, items, work);
+      else attend_range(&c, 0, items);
     });
   }
 
@@ -346,12 +439,14 @@ class StoredAttention : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const StoredAttention&>(other);
-    return keys_ == o.keys_ && values_ == o.values_ && mask_ == o.mask_ && sinks_ == o.sinks_;
+    return keys_ == o.keys_ && values_ == o.values_ && mask_ == o.mask_ && sinks_ == o.sinks_ &&
+           unrotate_ == o.unrotate_ && q_scale_ == o.q_scale_;
   }
 
  private:
   Spec keys_, values_;
-  bool mask_, sinks_;
+  bool mask_, sinks_, unrotate_;
+  float q_scale_;
 };
 
 Spec spec(int kind, int bits, int group, const std::vector<float>& table, size_t n_arrays) {
@@ -370,17 +465,19 @@ mx::array stored_attention(const mx::array& q, int k_kind, int k_bits, int k_gro
                            const std::vector<float>& k_table, const std::vector<mx::array>& keys, int v_kind,
                            int v_bits, int v_group, const std::vector<float>& v_table,
                            const std::vector<mx::array>& values, int v_dim, std::optional<mx::array> mask,
-                           std::optional<mx::array> sinks) {
+                           std::optional<mx::array> sinks, std::optional<mx::array> unrotate, float q_scale) {
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   Spec ks = spec(k_kind, k_bits, k_group, k_table, keys.size());
   Spec vs = spec(v_kind, v_bits, v_group, v_table, values.size());
-  std::vector<mx::array> inputs = {mx::contiguous(mx::astype(q, mx::float32, s), false, s)};
+  std::vector<mx::array> inputs = {mx::astype(q, mx::float32, s)};
   inputs.insert(inputs.end(), keys.begin(), keys.end());
   inputs.insert(inputs.end(), values.begin(), values.end());
   if (mask) inputs.push_back(mx::contiguous(mx::astype(*mask, mx::float32, s), false, s));
   if (sinks) inputs.push_back(mx::contiguous(mx::astype(*sinks, mx::float32, s), false, s));
+  if (unrotate) inputs.push_back(*unrotate);
   mx::Shape shape = {q.shape(0), q.shape(1), q.shape(2), v_dim};
-  auto prim = std::make_shared<StoredAttention>(s, ks, vs, mask.has_value(), sinks.has_value());
+  auto prim = std::make_shared<StoredAttention>(s, ks, vs, mask.has_value(), sinks.has_value(),
+                                                unrotate.has_value(), q_scale);
   return mx::array(shape, mx::float32, prim, inputs);
 }
 
@@ -391,5 +488,5 @@ NB_MODULE(kvserve_cpu_attention, m) {
   m.def("stored_attention", &stored_attention, nb::arg("q"), nb::arg("k_kind"), nb::arg("k_bits"),
         nb::arg("k_group"), nb::arg("k_table"), nb::arg("keys"), nb::arg("v_kind"), nb::arg("v_bits"),
         nb::arg("v_group"), nb::arg("v_table"), nb::arg("values"), nb::arg("v_dim"), nb::arg("mask").none(),
-        nb::arg("sinks").none());
+        nb::arg("sinks").none(), nb::arg("unrotate").none(), nb::arg("q_scale"));
 }

@@ -5,7 +5,7 @@ decodes one element at a time, and over a turbo cache through a (B, H, T, D) flo
 of the whole context: with 8 rows at 160 tokens either cost more than the whole rest of the
 decode step over an fp16 cache (docs/benchmarks/cpu-step.md). The kernel here is an MLX
 primitive written in C++ (the extension API MLX ships: its headers and nanobind), built once
-per machine with the system compiler into the cache directory, like the BLAS shim. It serves
+per machine with the system compiler into the cache directory (``cpu_build``). It serves
 raw, affine 4/8-bit (groups a multiple of 32) and turbo (up to 4 bits) keys and values, for
 decode, verify and prefill alike (``kvserve bench-attention --device cpu`` measures it beside
 the MLX paths); MX formats keep the pure-MLX paths, and so do calls whose scores would pass
@@ -27,24 +27,14 @@ Example (8 rows of affine4 K/V; the kernel equals the reference within float rou
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from kvserve.cache.base import MASKED, causal_mask
+from kvserve.kernels import cpu_build
 from kvserve.kernels.reference import attend_blockwise, format_key, group_queries, ungroup
 
-log = logging.getLogger(__name__)
 
 # Scores one (row, KV head) pair holds at once: n_rep * L * T floats, 64 MiB. Larger calls
 # (long prompt chunks over long contexts) take the blockwise reference, whose memory is bounded.
@@ -112,9 +102,10 @@ def _value_dim(spec, fmt, parts: tuple[mx.array, ...]) -> int:
 def attend_cpu(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
                values: tuple[mx.array, ...], scale: float, mask: Any,
                key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
-    """``dispatch.attend``'s signature: (B, H_q, L, D) queries over the stored parts. Queries
-    are prepared for the key format and the output finished for the value format here, as
-    in the reference (``group_queries`` / ``finish``)."""
+    """``dispatch.attend``'s signature: (B, H_q, L, D) queries over the stored parts. Turbo
+    keys score against queries rotated here (``group_queries``, as in the reference); raw and
+    affine keys take the queries as they are, any layout, scaled in the kernel. Turbo values
+    are rotated back in the kernel; other formats' ``finish`` runs here."""
     B, Hq, L, D = queries.shape
     Hkv, T = keys[0].shape[1], keys[0].shape[2]
     ks, vs = _spec(key_fmt), _spec(value_fmt)
@@ -122,9 +113,16 @@ def attend_cpu(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt
     step = 32 if AFFINE in (ks[0], vs[0]) or 4 in (ks[1], vs[1]) else 16
     if D % step or dv % step or (Hq // Hkv) * L * T > MAX_SCORES:
         return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale, sinks=sinks)
-    q = group_queries(queries, key_fmt, Hkv, scale, key_scale).reshape(B, Hq, L, D)
-    out = _module().stored_attention(q, *ks, list(keys), *vs, list(values), dv, _additive(mask, B, Hq, L, T), sinks)
-    return ungroup(value_fmt.finish(out.reshape(B, Hkv, Hq // Hkv, L, dv)), queries)
+    if ks[0] == TURBO:  # rotated (and calibrated) queries
+        q, q_scale = group_queries(queries, key_fmt, Hkv, scale, key_scale).reshape(B, Hq, L, D), 1.0
+    else:  # raw and affine keys take the queries as they are, scaled in the kernel
+        q, q_scale = queries, scale
+    unrotate = value_fmt.codec.pi if vs[0] == TURBO else None
+    out = _module().stored_attention(q, *ks, list(keys), *vs, list(values), dv, _additive(mask, B, Hq, L, T), sinks,
+                                     unrotate, q_scale)
+    if unrotate is None:
+        out = value_fmt.finish(out.reshape(B, Hkv, Hq // Hkv, L, dv))
+    return ungroup(out, queries)
 
 
 def _additive(mask: Any, B: int, Hq: int, L: int, T: int) -> mx.array | None:
@@ -144,67 +142,8 @@ def _additive(mask: Any, B: int, Hq: int, L: int, T: int) -> mx.array | None:
 @functools.cache
 def available() -> bool:
     """True when the extension is built (or was before) and loads into this MLX."""
-    try:
-        _module()
-    except Exception as exc:  # noqa: BLE001 (any build or load failure: keep the MLX path)
-        log.info("CPU attention kernel unavailable (%s); quantized attention uses MLX ops", exc)
-        return False
-    return True
+    return cpu_build.loads(_NAME, _SOURCE, "CPU attention kernel")
 
 
-@functools.cache
 def _module():
-    path = _build(_cache_dir())
-    spec = importlib.util.spec_from_file_location(_NAME, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _cache_dir() -> Path:
-    from kvserve.configs import default_cache_dir
-
-    return default_cache_dir() / "cpu-kernels"
-
-
-def _build(cache: Path) -> Path:
-    """Compile the extension once per (source, MLX, nanobind, Python, machine)."""
-    import mlx
-    import nanobind
-
-    mlx_dir = Path(mlx.__path__[0])
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    source = _SOURCE.read_text()
-    key = "|".join([source, mx.__version__, nanobind.__version__, sys.version, platform.machine(), _cpu_flags()])
-    out = cache / hashlib.sha256(key.encode()).hexdigest()[:16] / f"{_NAME}{suffix}"
-    if out.exists():
-        return out
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
-    nb = Path(nanobind.source_dir()).parent
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        lib = Path(tmp) / out.name
-        # MLX's bindings live in nanobind domain "mlx": the extension must join it to take
-        # and return mx.array objects.
-        cmd = [cxx, "-O3", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
-               "-DNB_DOMAIN=mlx", f"-I{mlx_dir / 'include'}", f"-I{nanobind.include_dir()}",
-               f"-I{nb / 'ext' / 'robin_map' / 'include'}", f"-I{sysconfig.get_paths()['include']}",
-               str(_SOURCE), str(Path(nanobind.source_dir()) / "nb_combined.cpp"),
-               f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(lib)]
-        res = subprocess.run(cmd[:2] + ["-march=native"] + cmd[2:], capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            raise RuntimeError(f"{Path(cxx).name} failed: {res.stderr.strip()[-400:]}")
-        os.replace(lib, out)
-    return out
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
+    return cpu_build.load(_NAME, _SOURCE)

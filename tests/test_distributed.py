@@ -63,11 +63,14 @@ def pair(request, default_model_dir, tmp_path_factory):
     assert one.stop() == 0, one.output()
 
 
-# Quantized K/V, split against whole: the ranks' partial products round differently, a value
-# on a quantization boundary can take the other code, and a near-tie can flip. Where replies
-# part, the split run's token must be the whole run's runner-up, less than this many nats below
-# (test_architectures.py's bound).
-NEAR_TIE = 0.25
+# Quantized K/V, split against whole: the ranks' partial products round differently (and the
+# whole model's decode products read packed codes), a value on a quantization boundary can take
+# the other 4-bit code, and the replies can part. Where they part, the split run's token must be
+# among the whole run's top five and less than this many nats below its pick. Rounding-level
+# changes alone move that gap: one of these prompts parted at 0.15 nats, and at 0.45-0.56 once
+# RMSNorm and RoPE became one CPU operation each (either one alone kept it under 0.25). A broken
+# split (a wrong shard, a lost all-reduce) parts at the first tokens by many nats.
+NEAR_TIE = 1.0
 
 
 def tie_gap(whole, split) -> float | None:
@@ -76,15 +79,16 @@ def tie_gap(whole, split) -> float | None:
     for mine, theirs in zip(whole.choices[0].logprobs.content, split.choices[0].logprobs.content):
         if mine.token != theirs.token:
             ranked = {t.token: t.logprob for t in mine.top_logprobs}
-            assert theirs.token in ranked, f"{theirs.token!r} was not even the runner-up to {mine.token!r}"
+            assert theirs.token in ranked, f"{theirs.token!r} was not even in the top 5 beside {mine.token!r}"
             return mine.logprob - ranked[theirs.token]
     return None
 
 
 def test_greedy_replies_equal_one_process_alone_and_with_8_streams(pair):
-    """fp16: the same tokens. affine4: the same tokens, or a part at a near-tie."""
+    """fp16: the same tokens. affine4: the same tokens, or a part where the split run's token
+    is among the whole run's top five, less than NEAR_TIE nats below its pick."""
     one, two = pair
-    extra = {"logprobs": True, "top_logprobs": 2}
+    extra = {"logprobs": True, "top_logprobs": 5}
     for prompts in (PROMPTS[:2], PROMPTS):  # alone, then 8 streams together
         whole = together([lambda p=p: ask(one, p, **extra) for p in prompts]) if len(prompts) > 2 \
             else [ask(one, p, **extra) for p in prompts]

@@ -9,9 +9,10 @@ import pytest
 import kvserve.bench
 import kvserve.cache
 import kvserve.configs
+import kvserve.kernels
 import kvserve.server
 
-PACKAGES = (kvserve.bench, kvserve.cache, kvserve.configs, kvserve.server)
+PACKAGES = (kvserve.bench, kvserve.cache, kvserve.configs, kvserve.kernels, kvserve.server)
 # Modules whose import needs the BLAS chosen before mlx loads are still safe here:
 # the test process has already imported mlx through other tests or fixtures.
 MODULES = sorted(

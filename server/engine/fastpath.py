@@ -5,6 +5,10 @@
   ``mx.fast.rope`` recomputes its frequencies and angles on every call: ~55 us
   per call, twice per layer per token (3.3 ms of a ~35 ms decode step for a
   30-layer model); the table version costs ~23 us.
+* :func:`install_cpu_ops` makes each plain ``nn.RMSNorm`` one CPU operation instead of
+  the eleven of ``mx.fast.rms_norm``'s fallback, each ``nn.Linear`` one instead of four,
+  and a SwiGLU MLP's activation a vectorized one; with the table, a RoPE is one operation
+  too (``kernels/cpu_ops``).
 * :func:`last_logits` runs a prefill chunk but applies the output projection to
   the last position only: calling the model computes logits for every prompt
   token (a 512x49152x576 product for a 512-token chunk of SmolLM2) that are
@@ -18,6 +22,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from kvserve.kernels import cpu_ops
+from mlx_lm.models.activations import swiglu
 
 
 class _Table:
@@ -67,6 +73,9 @@ class TableRoPE(nn.Module):
             self._table.rows(0, positions)  # grown once, here, so every gather stays inside
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
+        fused = self._fused(x, offset)
+        if fused is not None:
+            return fused
         if not isinstance(offset, int):  # per-sequence offsets (batched caches)
             if not self._positions:
                 return mx.fast.rope(x, self.dims, traditional=False, base=self.base,
@@ -83,6 +92,19 @@ class TableRoPE(nn.Module):
         if rest is not None:
             out = mx.concatenate([out, rest], -1)
         return out if out.dtype == x.dtype else out.astype(x.dtype)
+
+    def _fused(self, x: mx.array, offset) -> mx.array | None:
+        """The same rotation as one CPU operation (``kernels/cpu_ops``), where it serves."""
+        if not cpu_ops.available():
+            return None
+        if isinstance(offset, int):
+            self._table.rows(offset, x.shape[-2])  # grown to cover these rows: no clamping
+            offsets, limit = mx.array([offset], dtype=mx.int32), self._table.cos.shape[0]
+        elif self._positions:
+            offsets, limit = offset.reshape(-1), self._positions
+        else:
+            return None
+        return cpu_ops.table_rope(x, self._table.cos, self._table.sin, offsets, self.dims, limit)
 
 
 # Positions a table is grown to for batched calls, at most: 65536 x 128 dims is 64 MiB of
@@ -103,6 +125,59 @@ def install_table_rope(model: nn.Module, context: int = 0) -> int:
             if type(child) is nn.RoPE and not child.traditional and child.dims % 2 == 0:
                 setattr(module, name, TableRoPE(child.dims, child.base, child.scale, positions))
                 count += 1
+    return count
+
+
+class CpuRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` computed as one CPU operation (``kernels/cpu_ops``) where that serves:
+    the fallback of ``mx.fast.rms_norm`` on the CPU is a chain of eleven operations."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        fused = cpu_ops.rms_norm(x, self["weight"], self.eps)
+        return super().__call__(x) if fused is None else fused
+
+
+class CpuLinear(nn.Linear):
+    """``nn.Linear`` as one CPU operation where that serves, instead of MLX's transpose,
+    flatten, matmul and unflatten; the same ``cblas_sgemm`` call computes it."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        fused = cpu_ops.linear(x, self["weight"], self.get("bias"))
+        return super().__call__(x) if fused is None else fused
+
+
+def _swiglu_call(self, x: mx.array) -> mx.array:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    fused = cpu_ops.swiglu(gate, up)
+    return self.down_proj(swiglu(gate, up) if fused is None else fused)
+
+
+# mlx-lm MLP classes checked to compute exactly down_proj(swiglu(gate_proj(x), up_proj(x))).
+_SWIGLU_MLPS = {f"mlx_lm.models.{name}" for name in ("llama", "qwen2", "qwen3", "olmo2", "granite")}
+_CPU_CLASSES: dict[type, type] = {nn.RMSNorm: CpuRMSNorm, nn.Linear: CpuLinear}
+
+
+def _cpu_class(cls: type) -> type | None:
+    if cls in _CPU_CLASSES:
+        return _CPU_CLASSES[cls]
+    if cls.__name__ == "MLP" and cls.__module__ in _SWIGLU_MLPS:
+        return _CPU_CLASSES.setdefault(cls, type(f"Cpu{cls.__name__}", (cls,), {"__call__": _swiglu_call}))
+    return None
+
+
+def install_cpu_ops(model: nn.Module) -> int:
+    """Make each plain ``nn.RMSNorm`` and ``nn.Linear`` of ``model``, and each SwiGLU MLP of
+    the mlx-lm classes checked, its one-operation CPU subclass (same parameters, same
+    values) when the CPU primitives serve; returns how many. Other classes (Gemma's
+    ``1 + weight`` norm, quantized and sharded linears, ...) keep their own code."""
+    if not cpu_ops.available():
+        return 0
+    count = 0
+    for _, module in model.named_modules():
+        cls = _cpu_class(type(module))
+        if cls is not None:
+            module.__class__ = cls
+            count += 1
     return count
 
 

@@ -43,7 +43,7 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                progress: Callable[[str], None] | None = None,
                cache: CacheConfig | None = None, speculative: str = "off", group=None) -> LoadedModel:
     """The model (this rank's shard of it with ``group``), its runner and prefix cache."""
-    from kvserve.server.engine.fastpath import install_table_rope
+    from kvserve.server.engine.fastpath import install_cpu_ops, install_table_rope
     from kvserve.server.engine.kv_memory import token_bytes
     from kvserve.server.engine.grammar import Grammars
     from kvserve.server.engine.runner import ModelRunner
@@ -52,6 +52,7 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                          check=lambda model: _check_servable(model, scheme, model_id_for(config.model, config.model)),
                          group=group)
     install_table_rope(bundle.model, bundle.info.context_length)
+    install_cpu_ops(bundle.model)
     layout = _layout(bundle.model, scheme)
     if speculative != "off" and "state" in layout:
         raise ModelLoadError(f"speculative decoding needs layers that can drop rejected tokens row by row; "
