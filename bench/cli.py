@@ -3,6 +3,8 @@
     kvserve bench --target "kvserve:--kv-scheme affine4" --target "mlx_lm:" \\
         --concurrency 8 --requests 16 --prompt-tokens 100 --max-tokens 64 --out docs/benchmarks/batching
     kvserve bench --url http://127.0.0.1:8000 --model default     # a server already running
+    kvserve bench --llama-server ~/llama.cpp/build/bin/llama-server \
+        --target "llama:-np 8" --target "kvserve:--kv-scheme fp16"   # llama.cpp on the same GGUF
 
 Targets run one after another on the same model directory (default: the default model),
 each warmed up with one request first. ``--overhead`` adds, for kvserve targets, a steady
@@ -24,14 +26,17 @@ from pathlib import Path
 
 from kvserve.bench.load import chat_bodies, run_load
 from kvserve.bench.report import markdown_table, write_chart
-from kvserve.bench.targets import Running, Target
+from kvserve.bench.targets import LlamaServer, Running, Target
 
 _TEXT = files("kvserve.server.engine") / "data" / "eval-gpl-3.0.txt"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvserve bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", action="append", default=[], help="kind[:args], kind kvserve or mlx_lm")
+    p.add_argument("--target", action="append", default=[], help="kind[:args], kind kvserve, mlx_lm or llama")
+    p.add_argument("--llama-server", help="llama-server binary for llama targets")
+    p.add_argument("--gguf", help="GGUF file for llama targets (default: the one the model directory "
+                                  "was converted from, when kvserve ships it)")
     p.add_argument("--url", help="drive a server that is already running instead")
     p.add_argument("--model", help="model directory for targets; with --url, the request's model")
     p.add_argument("--concurrency", type=int, default=8)
@@ -77,9 +82,32 @@ def default_model_dir() -> Path:
     return Path(resolve_model(None, ModelConfig().resolved_cache_dir()))
 
 
-def bench_target(target: Target, model_dir: Path, args, prompts: list[str]) -> dict:
+def source_gguf(model_dir: Path) -> Path:
+    """The GGUF file ``model_dir`` was converted from, when it is one that kvserve ships
+    (``kvserve.json`` names it)."""
+    from kvserve.configs import ModelConfig
+    from kvserve.server.models.registry import SHIPPED, fetch_gguf
+
+    record = Path(model_dir) / "kvserve.json"
+    name = json.loads(record.read_text()).get("source") if record.is_file() else None
+    shipped = next((m for m in SHIPPED.values() if m.gguf == name), None)
+    if shipped is None:
+        raise SystemExit(f"kvserve bench: no GGUF known for {model_dir}; give --gguf PATH")
+    return fetch_gguf(shipped, ModelConfig().resolved_cache_dir())
+
+
+def llama_server(args, model_dir: Path, targets: list[Target]) -> LlamaServer | None:
+    """The binary and GGUF for llama targets; None when there are none."""
+    if not any(t.kind == "llama" for t in targets):
+        return None
+    if not args.llama_server or not Path(args.llama_server).is_file():
+        raise SystemExit("kvserve bench: llama targets need --llama-server PATH (a llama-server binary)")
+    return LlamaServer(Path(args.llama_server), Path(args.gguf) if args.gguf else source_gguf(model_dir))
+
+
+def bench_target(target: Target, model_dir: Path, args, prompts: list[str], llama: LlamaServer | None = None) -> dict:
     print(f"bench: starting {target.label}", file=sys.stderr, flush=True)
-    running = Running(target, model_dir)
+    running = Running(target, model_dir, llama=llama)
     try:
         # Warm-up with a prompt outside the measured set: no server may answer from it later.
         run_load(running.base_url, chat_bodies(running.model_name, ["Say hello."], 8, args.chat), 1)
@@ -176,7 +204,8 @@ def main(argv: list[str]) -> int:
         model_dir = Path(args.model) if args.model else default_model_dir()
         args.chat = not args.completions and has_chat_template(model_dir)
         prompts = make_prompts(model_dir, args.requests, args.prompt_tokens)
-        rows = [bench_target(t, model_dir, args, prompts) for t in targets]
+        llama = llama_server(args, model_dir, targets)
+        rows = [bench_target(t, model_dir, args, prompts, llama) for t in targets]
         if args.overhead:
             add_model_steps(rows, targets, model_dir, args)
         model = str(model_dir)

@@ -128,7 +128,9 @@ async def _drive(base_url: str, bodies: list[dict], concurrency: int, timeout: f
     for body in bodies:
         queue.put_nowait(body)
     results: list[RequestStats] = []
-    limits = httpx.Limits(max_connections=concurrency * 2)
+    # A fresh connection per request: llama-server may close a streamed response's connection
+    # while the pool still holds it, and the next request on it failed with RemoteProtocolError.
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         async def worker() -> None:
             while not queue.empty():

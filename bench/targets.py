@@ -4,7 +4,9 @@ A target is written ``kind[:args]``: ``kvserve:--kv-scheme affine4`` runs
 ``kvserve serve --model DIR --kv-scheme affine4``; ``mlx_lm:--kv-bits 4`` runs
 ``mlx_lm.server --model DIR --kv-bits 4`` through ``kvserve.bench.mlx_lm_peer``;
 ``kvserve-tp2:ARGS`` runs ``kvserve serve --distributed ARGS`` as two processes on this
-machine, joined by MLX's ring backend over loopback (as ``mlx.launch -n 2`` starts them).
+machine, joined by MLX's ring backend over loopback (as ``mlx.launch -n 2`` starts them);
+``llama:-np 8`` runs a ``llama-server`` binary (``kvserve bench --llama-server PATH``) on the
+GGUF file the model directory was converted from.
 
     >>> t = Target.parse("mlx_lm:--kv-bits 4")
     >>> (t.kind, t.args, t.label)
@@ -12,6 +14,9 @@ machine, joined by MLX's ring backend over loopback (as ``mlx.launch -n 2`` star
     >>> t = Target.parse("kvserve-tp2:--kv-scheme affine4")
     >>> (t.kind, t.world, t.label)
     ('kvserve', 2, 'kvserve serve --distributed (2 processes) --kv-scheme affine4')
+    >>> t = Target.parse("llama:-np 8 -ctk q4_0 -ctv q4_0 -fa on")
+    >>> t.command(Path("m"), 8080, LlamaServer(Path("/opt/llama-server"), Path("m.gguf")))[:5]
+    ['/opt/llama-server', '-m', 'm.gguf', '--host', '127.0.0.1']
 """
 
 from __future__ import annotations
@@ -30,7 +35,17 @@ from pathlib import Path
 
 import httpx
 
-KINDS = ("kvserve", "mlx_lm")
+KINDS = ("kvserve", "mlx_lm", "llama")
+_NAMES = {"kvserve": "kvserve serve", "mlx_lm": "mlx_lm.server", "llama": "llama-server"}
+
+
+@dataclass(frozen=True)
+class LlamaServer:
+    """A ``llama-server`` binary and the GGUF file it serves (the one the model directory
+    was converted from, so both servers compute with the same weights)."""
+
+    binary: Path
+    gguf: Path
 
 
 @dataclass(frozen=True)
@@ -51,13 +66,19 @@ class Target:
 
     @property
     def label(self) -> str:
-        name = "kvserve serve" if self.kind == "kvserve" else "mlx_lm.server"
+        name = _NAMES[self.kind]
         if self.world > 1:
             name += f" --distributed ({self.world} processes)"
         return " ".join([name, *self.args])
 
-    def command(self, model_dir: Path | None, port: int) -> list[str]:
+    def command(self, model_dir: Path | None, port: int, llama: LlamaServer | None = None) -> list[str]:
         """The server's command line; without ``model_dir`` kvserve serves its default model."""
+        if self.kind == "llama":
+            if llama is None:
+                raise ValueError("a llama target needs kvserve bench --llama-server PATH")
+            threads = [] if {"-t", "--threads"} & set(self.args) else ["-t", str(len(os.sched_getaffinity(0)))]
+            return [str(llama.binary), "-m", str(llama.gguf), "--host", "127.0.0.1", "--port", str(port),
+                    *threads, *self.args]
         model = ["--model", str(model_dir)] if model_dir is not None else []
         if self.kind == "kvserve":
             split = ["--distributed"] if self.world > 1 else []
@@ -76,12 +97,13 @@ def free_port() -> int:
 class Running:
     """A started target; ``stop`` ends it (SIGTERM, then SIGKILL after a grace period)."""
 
-    def __init__(self, target: Target, model_dir: Path | None, timeout: float = 600.0):
+    def __init__(self, target: Target, model_dir: Path | None, timeout: float = 600.0,
+                 llama: LlamaServer | None = None):
         self.target = target
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-bench-", suffix=".log")
-        command = target.command(model_dir, self.port)
+        command = target.command(model_dir, self.port, llama)
         self.procs = [subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
                       for env in self._ring_env(target.world)]
         self.proc = self.procs[0]

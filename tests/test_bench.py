@@ -41,3 +41,21 @@ def test_bench_runs_kvserve_and_the_mlx_lm_peer_in_one_run(tiny_model_dir, tmp_p
     assert "| kvserve serve --kv-scheme turbo0v4 |" in report and "| mlx_lm.server | " in report
     assert "1.00x" in report  # the last target is the baseline
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_llama_targets_serve_the_gguf_the_model_came_from(default_model_dir, tmp_path):
+    """``llama:`` targets run llama-server on the GGUF the model directory was converted
+    from (so both compute with the same weights), with this machine's cores unless told;
+    without a binary the run stops before starting anything."""
+    from pathlib import Path
+
+    from kvserve.bench.cli import source_gguf
+    from kvserve.bench.targets import LlamaServer, Target
+
+    gguf = source_gguf(default_model_dir)
+    assert gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf.read_bytes()[:4] == b"GGUF"
+    cmd = Target.parse("llama:-np 8 -ctk q4_0").command(default_model_dir, 9, LlamaServer(Path("/x/llama-server"), gguf))
+    assert cmd[:3] == ["/x/llama-server", "-m", str(gguf)] and cmd[-6:] == ["-t", cmd[-5], "-np", "8", "-ctk", "q4_0"]
+    assert "-t" not in Target.parse("llama:-t 1").command(None, 9, LlamaServer(Path("b"), gguf))[:-2]
+    result = _bench("--model", str(default_model_dir), "--target", "llama:-np 2", "--requests", "1")
+    assert result.returncode != 0 and "--llama-server PATH" in result.stderr
