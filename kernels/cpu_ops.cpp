@@ -4,8 +4,8 @@
 // eleven operations (square, mean, add, rsqrt, multiplies and the broadcasts between them)
 // and a RoPE that gathers per-row positions from a cos/sin table nineteen; a linear layer is
 // four (transpose, flatten, matmul, unflatten) and TurboQuant's value encoding some 25. A
-// decode step of one row is bound by MLX's cost per operation (about 4 us for an
-// elementwise one, 1 us for a view, whatever its size). Here each chain is one operation.
+// decode step of one row is bound by MLX's cost per operation, which hardly depends on its
+// size (bench/step_profile.py --mlx-layer-ops). Here each chain is one operation.
 //
 // rms_norm(x, w, eps): x float32 (..., D), any strides with a contiguous last axis; w (D,)
 //   float32. out = x * rsqrt(mean(x^2) + eps) * w, contiguous float32. A row's result depends
@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -51,47 +52,69 @@ int64_t row_offset(const mx::array& a, int64_t r) {
   return off;
 }
 
-void begin(mx::Stream s, const std::vector<mx::array>& in, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(s);
-  for (const auto& a : in) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-}
+// The rows (last axis) of a float32 input with any strides. Row r is read in place where
+// the last axis is contiguous, else gathered into the caller's buffer (views are rare here:
+// a transposed or broadcast input).
+struct Rows {
+  const float* data;
+  int64_t width, step;
+  std::vector<int64_t> offsets;
 
-class RmsNorm : public mx::Primitive {
+  explicit Rows(const mx::array& x)
+      : data(x.data<float>()), width(x.shape(-1)), step(x.strides().back()), offsets(x.size() / x.shape(-1)) {
+    for (int64_t r = 0; r < int64_t(offsets.size()); r++) offsets[r] = row_offset(x, r);
+  }
+
+  const float* row(int64_t r, float* buf) const {
+    const float* p = data + offsets[r];
+    if (step == 1) return p;
+    for (int64_t i = 0; i < width; i++) buf[i] = p[i * step];
+    return buf;
+  }
+};
+
+// A primitive of this extension: CPU only; eval_cpu allocates and registers its outputs.
+class CpuPrimitive : public mx::Primitive {
  public:
-  RmsNorm(mx::Stream s, float eps) : mx::Primitive(s), eps_(eps) {}
+  explicit CpuPrimitive(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+
+ protected:
+  mx::cpu::CommandEncoder& begin(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : in) encoder.set_input_array(a);
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+    }
+    return encoder;
+  }
+};
+
+class RmsNorm : public CpuPrimitive {
+ public:
+  RmsNorm(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
-    const auto& x = in[0];
-    auto& out = outputs[0];
-    begin(stream(), in, out);
-    int64_t D = x.shape(-1), rows = x.size() / D;
-    int64_t ls = x.strides().back();
-    std::vector<int64_t> offsets(rows);
-    for (int64_t r = 0; r < rows; r++) offsets[r] = row_offset(x, r);
-    const float* xp = x.data<float>();
+    auto& encoder = begin(in, outputs);
+    Rows x(in[0]);
     const float* wp = in[1].data<float>();
-    float* op = out.data<float>();
+    float* op = outputs[0].data<float>();
     float eps = eps_;
-    mx::cpu::get_command_encoder(stream()).dispatch([=, offsets = std::move(offsets)]() {
-      for (int64_t r = 0; r < rows; r++) {
+    encoder.dispatch([=, x = std::move(x)]() {
+      int64_t D = x.width;
+      for (int64_t r = 0; r < int64_t(x.offsets.size()); r++) {
         float* o = op + r * D;
-        const float* src = xp + offsets[r];
-        if (ls != 1) {  // a strided last axis (rare): gather the row first
-          for (int64_t i = 0; i < D; i++) o[i] = src[i * ls];
-          src = o;
-        }
+        const float* src = x.row(r, o);  // a strided row is gathered into its output first
         float ss = 0.f;
         for (int64_t i = 0; i < D; i++) ss += src[i] * src[i];
         float scale = 1.f / std::sqrt(ss / float(D) + eps);
         for (int64_t i = 0; i < D; i++) o[i] = (src[i] * scale) * wp[i];
       }
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("kvserve's RMSNorm primitive runs on the CPU only");
   }
 
   const char* name() const override { return "KvserveRmsNorm"; }
@@ -104,14 +127,14 @@ class RmsNorm : public mx::Primitive {
   float eps_;
 };
 
-class TableRope : public mx::Primitive {
+class TableRope : public CpuPrimitive {
  public:
-  TableRope(mx::Stream s, int dims, int limit) : mx::Primitive(s), dims_(dims), limit_(limit) {}
+  TableRope(mx::Stream s, int dims, int limit) : CpuPrimitive(s), dims_(dims), limit_(limit) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
     const auto& x = in[0];
     auto& out = outputs[0];
-    begin(stream(), in, out);
+    auto& encoder = begin(in, outputs);
     int64_t B = x.shape(0), H = x.shape(1), L = x.shape(2), D = x.shape(3);
     int64_t P = limit_;
     const auto& st = x.strides();
@@ -123,7 +146,7 @@ class TableRope : public mx::Primitive {
     int64_t n_off = in[3].size();
     float* op = out.data<float>();
     int dims = dims_, half = dims_ / 2;
-    mx::cpu::get_command_encoder(stream()).dispatch([=]() {
+    encoder.dispatch([=]() {
       std::vector<float> tmp(sd != 1 ? D : 0);
       for (int64_t b = 0; b < B; b++) {
         int64_t start = offp[n_off == 1 ? 0 : b];
@@ -145,10 +168,6 @@ class TableRope : public mx::Primitive {
         }
       }
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("kvserve's table RoPE primitive runs on the CPU only");
   }
 
   const char* name() const override { return "KvserveTableRope"; }
@@ -173,37 +192,31 @@ Sgemm shim_sgemm() {
   return fn;
 }
 
-class Linear : public mx::Primitive {
+class Linear : public CpuPrimitive {
  public:
-  Linear(mx::Stream s, bool bias) : mx::Primitive(s), bias_(bias) {}
+  Linear(mx::Stream s, bool bias) : CpuPrimitive(s), bias_(bias) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
-    const auto& x = in[0];
-    const auto& w = in[1];
-    auto& out = outputs[0];
-    begin(stream(), in, out);
-    int64_t K = x.shape(-1), N = w.shape(0), M = x.size() / K;
-    int64_t ls = x.strides().back();
-    bool dense = x.flags().row_contiguous;
-    std::vector<int64_t> offsets(dense ? 0 : M);
-    for (int64_t r = 0; r < int64_t(offsets.size()); r++) offsets[r] = row_offset(x, r);
-    const float* xp = x.data<float>();
-    const float* wp = w.data<float>();
+    auto& encoder = begin(in, outputs);
+    bool dense = in[0].flags().row_contiguous;
+    Rows x(in[0]);
+    int64_t K = x.width, N = in[1].shape(0), M = x.offsets.size();
+    const float* wp = in[1].data<float>();
     const float* bp = bias_ ? in[2].data<float>() : nullptr;
-    float* op = out.data<float>();
-    mx::cpu::get_command_encoder(stream()).dispatch([=, offsets = std::move(offsets)]() {
-      std::vector<float> rows(dense ? 0 : M * K);  // a strided x is gathered first, as MLX copies it
-      for (int64_t r = 0; r < int64_t(offsets.size()); r++)
-        for (int64_t i = 0; i < K; i++) rows[r * K + i] = xp[offsets[r] + i * ls];
-      const float* a = dense ? xp : rows.data();
+    float* op = outputs[0].data<float>();
+    encoder.dispatch([=, x = std::move(x)]() {
+      std::vector<float> rows(dense ? 0 : M * K);  // a view is gathered first, as MLX copies it
+      if (!dense)
+        for (int64_t r = 0; r < M; r++) {
+          float* dst = rows.data() + r * K;
+          const float* p = x.row(r, dst);
+          if (p != dst) std::memcpy(dst, p, K * sizeof(float));
+        }
+      const float* a = dense ? x.data : rows.data();
       for (int64_t r = 0; bp && r < M; r++) std::memcpy(op + r * N, bp, N * sizeof(float));
       // Row-major x (M, K) times w (N, K) transposed, as MLX's matmul of x @ w.T.
       shim_sgemm()(101, 111, 112, M, N, K, 1.f, a, K, wp, K, bp ? 1.f : 0.f, op, N);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("kvserve's linear primitive runs on the CPU only");
   }
 
   const char* name() const override { return "KvserveLinear"; }
@@ -220,37 +233,29 @@ class Linear : public mx::Primitive {
 // direction rotated by pi, index of the nearest centroid (the number of boundaries below
 // each coordinate), indices packed little-endian at ``bits`` bits. In MLX operations it is
 // some 25 operations per call (turbo_codec.TurboCodec.encode), once per layer and step.
-class TurboEncode : public mx::Primitive {
+class TurboEncode : public CpuPrimitive {
  public:
-  TurboEncode(mx::Stream s, int bits, float eps) : mx::Primitive(s), bits_(bits), eps_(eps) {}
+  TurboEncode(mx::Stream s, int bits, float eps) : CpuPrimitive(s), bits_(bits), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
-    const auto& x = in[0];
-    auto& packed = outputs[0];
-    auto& norms = outputs[1];
-    begin(stream(), in, packed);
-    norms.set_data(mx::allocator::malloc(norms.nbytes()));
-    mx::cpu::get_command_encoder(stream()).set_output_array(norms);
-    int64_t D = x.shape(-1), rows = x.size() / D, W = packed.shape(-1);
-    int64_t ls = x.strides().back();
-    std::vector<int64_t> offsets(rows);
-    for (int64_t r = 0; r < rows; r++) offsets[r] = row_offset(x, r);
-    const float* xp = x.data<float>();
+    auto& encoder = begin(in, outputs);
+    Rows x(in[0]);
+    int64_t D = x.width, rows = x.offsets.size(), W = outputs[0].shape(-1);
     const float* pi = in[1].data<float>();
     const float* bounds = in[2].data<float>();
     int n_bounds = in[2].size(), bits = bits_;
     float eps = eps_;
-    uint32_t* pp = packed.data<uint32_t>();
-    float* np_ = norms.data<float>();
-    mx::cpu::get_command_encoder(stream()).dispatch([=, offsets = std::move(offsets)]() {
-      std::vector<float> u(D);
+    uint32_t* pp = outputs[0].data<uint32_t>();
+    float* np_ = outputs[1].data<float>();
+    encoder.dispatch([=, x = std::move(x)]() {
+      std::vector<float> u(D), gathered(D);
       for (int64_t r = 0; r < rows; r++) {
-        const float* src = xp + offsets[r];
+        const float* src = x.row(r, gathered.data());
         float ss = 0.f;
-        for (int64_t i = 0; i < D; i++) ss += src[i * ls] * src[i * ls];
+        for (int64_t i = 0; i < D; i++) ss += src[i] * src[i];
         float n = std::sqrt(ss);
         float div = n > eps ? n : eps;
-        for (int64_t i = 0; i < D; i++) u[i] = src[i * ls] / div;
+        for (int64_t i = 0; i < D; i++) u[i] = src[i] / div;
         uint32_t* words = pp + r * W;
         std::fill(words, words + W, 0u);
         for (int64_t j = 0; j < D; j++) {
@@ -266,10 +271,6 @@ class TurboEncode : public mx::Primitive {
         np_[r] = n;
       }
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("kvserve's turbo encode primitive runs on the CPU only");
   }
 
   const char* name() const override { return "KvserveTurboEncode"; }
@@ -288,44 +289,32 @@ class TurboEncode : public mx::Primitive {
 // the CPU into a kernel with a scalar exp and a library call per multiply-add (after the
 // products and attention, the largest cost of a prompt chunk in a perf profile). Vectorized,
 // 16 at a time.
-class SwiGLU : public mx::Primitive {
+class SwiGLU : public CpuPrimitive {
  public:
-  explicit SwiGLU(mx::Stream s) : mx::Primitive(s) {}
+  explicit SwiGLU(mx::Stream s) : CpuPrimitive(s) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
-    const auto& g = in[0];
-    const auto& u = in[1];
-    auto& out = outputs[0];
-    begin(stream(), in, out);
-    int64_t D = g.shape(-1), rows = g.size() / D;
-    bool dense = g.flags().row_contiguous && u.flags().row_contiguous;
-    std::vector<int64_t> go(dense ? 0 : rows), uo(dense ? 0 : rows);
-    for (int64_t r = 0; r < int64_t(go.size()); r++) go[r] = row_offset(g, r), uo[r] = row_offset(u, r);
-    int64_t gs = g.strides().back(), us = u.strides().back();
-    const float* gp = g.data<float>();
-    const float* up = u.data<float>();
-    float* op = out.data<float>();
-    mx::cpu::get_command_encoder(stream()).dispatch([=, go = std::move(go), uo = std::move(uo)]() {
+    auto& encoder = begin(in, outputs);
+    bool dense = in[0].flags().row_contiguous && in[1].flags().row_contiguous;
+    Rows g(in[0]), u(in[1]);
+    float* op = outputs[0].data<float>();
+    encoder.dispatch([=, g = std::move(g), u = std::move(u)]() {
+      int64_t D = g.width, n = D * g.offsets.size(), i = 0;
       if (dense) {
-        int64_t n = rows * D, i = 0;
         for (; i + 16 <= n; i += 16) {
-          v16f x = load(gp + i);
-          v16f y = x / (1.0f + exp_clamped(-x)) * load(up + i);
-          store(op + i, y);
+          v16f x = load(g.data + i);
+          store(op + i, x / (1.0f + exp_clamped(-x)) * load(u.data + i));
         }
-        for (; i < n; i++) op[i] = gp[i] / (1.0f + std::exp(-gp[i])) * up[i];
+        for (; i < n; i++) op[i] = g.data[i] / (1.0f + std::exp(-g.data[i])) * u.data[i];
         return;
       }
-      for (int64_t r = 0; r < rows; r++)  // views (rare): one element at a time
-        for (int64_t i = 0; i < D; i++) {
-          float x = gp[go[r] + i * gs];
-          op[r * D + i] = x / (1.0f + std::exp(-x)) * up[uo[r] + i * us];
-        }
+      std::vector<float> gb(D), ub(D);
+      for (int64_t r = 0; r < int64_t(g.offsets.size()); r++) {  // views (rare): one element at a time
+        const float* gr = g.row(r, gb.data());
+        const float* ur = u.row(r, ub.data());
+        for (int64_t j = 0; j < D; j++) op[r * D + j] = gr[j] / (1.0f + std::exp(-gr[j])) * ur[j];
+      }
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("kvserve's SwiGLU primitive runs on the CPU only");
   }
 
   const char* name() const override { return "KvserveSwiGLU"; }
@@ -343,10 +332,15 @@ std::optional<mx::array> rms_norm(const mx::array& x, const mx::array& w, float 
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(cpu_stream(), eps), {x, w});
 }
 
-mx::array table_rope(const mx::array& x, const mx::array& cos, const mx::array& sin, const mx::array& offsets,
-                     int dims, int limit) {
+std::optional<mx::array> table_rope(const mx::array& x, const mx::array& cos, const mx::array& sin,
+                                    const mx::array& offsets, int dims, int limit) {
+  if (x.dtype() != mx::float32 || x.ndim() != 4 || cos.dtype() != mx::float32 || sin.dtype() != mx::float32 ||
+      cos.ndim() != 2 || cos.shape() != sin.shape() || dims % 2 || cos.shape(1) != dims || dims > x.shape(3) ||
+      (offsets.size() != 1 && offsets.size() != size_t(x.shape(0))) || limit <= 0 || limit > cos.shape(0))
+    return std::nullopt;
   auto s = cpu_stream();
-  return mx::array(x.shape(), mx::float32, std::make_shared<TableRope>(s, dims, limit), {x, cos, sin, offsets});
+  return mx::array(x.shape(), mx::float32, std::make_shared<TableRope>(s, dims, limit),
+                   {x, cos, sin, mx::astype(offsets, mx::int32, s)});
 }
 
 // x (..., K) @ w.T (+ bias) with w (N, K) an evaluated row-contiguous weight; None where the
@@ -376,7 +370,8 @@ std::vector<mx::array> turbo_encode(const mx::array& x, const mx::array& pi, con
                                 std::make_shared<TurboEncode>(s, bits, eps), {x, pi, boundaries});
 }
 
-mx::array swiglu(const mx::array& gate, const mx::array& up) {
+std::optional<mx::array> swiglu(const mx::array& gate, const mx::array& up) {
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32 || gate.shape() != up.shape()) return std::nullopt;
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(cpu_stream()), {gate, up});
 }
 

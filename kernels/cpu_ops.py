@@ -3,8 +3,8 @@
 On the CPU ``mx.fast.rms_norm`` and ``mx.fast.rope`` run their fallbacks, chains of eleven
 and (gathering per-row positions from a cos/sin table) nineteen operations; ``nn.Linear`` is
 a transpose, flatten, matmul and unflatten; TurboQuant's value encoding some 25 operations.
-A decode step of one row costs MLX about 4 us per elementwise operation and 1 us per view,
-whatever the size, and these chains were most of the ~120 operations of a layer of the
+A decode step of one row pays MLX's cost per operation, which hardly depends on its size
+(``bench/step_profile.py --mlx-layer-ops`` shows it), and these chains were most of the ~120 operations of a layer of the
 default model (``bench/step_profile.py`` counts them). The primitives here compute the
 same values, row by row, so a row's result does not depend on its batch:
 
@@ -52,9 +52,8 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
     """``silu(gate) * up`` (mlx-lm's ``swiglu``) with a vectorized exp; None where it does not
-    serve (not float32, shapes that differ)."""
-    if gate.dtype != mx.float32 or up.dtype != mx.float32 or gate.shape != up.shape:
-        return None
+    serve (not float32, shapes that differ: checked in C++, as this runs once per layer and
+    token)."""
     return _module().swiglu(gate, up)
 
 
@@ -73,12 +72,9 @@ def turbo_encode(x: mx.array, pi: mx.array, boundaries: mx.array, bits: int,
 def table_rope(x: mx.array, cos: mx.array, sin: mx.array, offsets: mx.array, dims: int,
                limit: int) -> mx.array | None:
     """RoPE of (B, H, L, D) ``x`` from (P, dims) tables (``fastpath._Table``'s layout), row b
-    at positions ``min(offsets[b] + l, limit - 1)``; None where it does not serve."""
-    if (x.dtype != mx.float32 or x.ndim != 4 or cos.dtype != mx.float32 or dims % 2
-            or cos.shape[1] != dims or dims > x.shape[-1] or offsets.size not in (1, x.shape[0])
-            or not 0 < limit <= cos.shape[0]):
-        return None
-    return _module().table_rope(x, cos, sin, offsets.astype(mx.int32), dims, limit)
+    at positions ``min(offsets[b] + l, limit - 1)``; None where it does not serve (checked in
+    C++, as this runs twice per layer and token)."""
+    return _module().table_rope(x, cos, sin, offsets, dims, limit)
 
 
 @functools.cache

@@ -35,9 +35,13 @@ class _Table:
         self.cos = self.sin = mx.zeros((0, dims))
 
     def rows(self, offset: int, n: int) -> tuple[mx.array, mx.array]:
-        if offset + n > self.cos.shape[0]:
-            self._grow(max(4096, 1 << math.ceil(math.log2(offset + n))))
+        self.cover(offset + n)
         return self.cos[offset : offset + n], self.sin[offset : offset + n]
+
+    def cover(self, n: int) -> None:
+        """Grow the table to at least ``n`` rows."""
+        if n > self.cos.shape[0]:
+            self._grow(max(4096, 1 << math.ceil(math.log2(n))))
 
     def _grow(self, n: int) -> None:
         half = self.dims // 2
@@ -70,7 +74,7 @@ class TableRoPE(nn.Module):
         self._table = _TABLES.setdefault(key, _Table(*key))
         self._positions = positions
         if positions:
-            self._table.rows(0, positions)  # grown once, here, so every gather stays inside
+            self._table.cover(positions)  # grown once, here, so every gather stays inside
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         fused = self._fused(x, offset)
@@ -98,7 +102,7 @@ class TableRoPE(nn.Module):
         if not cpu_ops.available():
             return None
         if isinstance(offset, int):
-            self._table.rows(offset, x.shape[-2])  # grown to cover these rows: no clamping
+            self._table.cover(offset + x.shape[-2])  # no row is clamped
             offsets, limit = mx.array([offset], dtype=mx.int32), self._table.cos.shape[0]
         elif self._positions:
             offsets, limit = offset.reshape(-1), self._positions
