@@ -22,8 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_tiny_llama(dst: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A 2-layer llama with random weights and the default model's tokenizer (GQA 4:2)."""
+def make_tiny_llama(dst: Path, tokenizer_dir: Path, seed: int = 0, context: int = 512) -> Path:
+    """A 2-layer llama with random weights and the default model's tokenizer (GQA 4:2),
+    serving ``context`` tokens."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
@@ -32,7 +33,7 @@ def make_tiny_llama(dst: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "rms_norm_eps": 1e-5, "vocab_size": 49152, "rope_theta": 10000.0,
-        "tie_word_embeddings": True, "max_position_embeddings": 512,
+        "tie_word_embeddings": True, "max_position_embeddings": context,
     }
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from malformed_corpus import ANY, CORPUS, Case
-from servers import ServerProcess
+from servers import ServerProcess, make_tiny_llama
 
 from kvserve.bench.soak import metrics
 
@@ -333,11 +333,14 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_work(tiny_mod
     assert disk and disk[0] >= 8, values
 
 
-def test_drain_timeout_aborts_what_is_left_with_a_finish_reason(tiny_model_dir, tmp_path):
-    proc = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path), "--max-batch-size", "1",
+def test_drain_timeout_aborts_what_is_left_with_a_finish_reason(default_model_dir, tmp_path):
+    # The running stream must outlast the drain whatever the machine's speed: the tiny model
+    # decodes its 512-token context in under 0.5 s, so this one asks for 8,000 tokens.
+    model = make_tiny_llama(tmp_path / "tiny-8k", default_model_dir, context=8192)
+    proc = ServerProcess(model, "--cache-dir", str(tmp_path), "--max-batch-size", "1",
                          "--drain-timeout", "0.5").wait_ready()
     try:
-        results, started, threads = start_streams(proc.base_url, 3, 440)
+        results, started, threads = start_streams(proc.base_url, 3, 8000)
         deadline = time.monotonic() + 60
         while not any(e.is_set() for e in started) and time.monotonic() < deadline:
             time.sleep(0.05)
