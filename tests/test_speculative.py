@@ -190,3 +190,29 @@ def test_the_cost_model_verifies_fewer_positions_in_a_wide_batch(model):
                   draft_tokens=4, step_tokens=48)
     assert trace.tokens == free
     assert trace.proposed < free_proposed / 2
+
+
+def _queued_ahead(runner: ModelRunner, draft_tokens: int) -> tuple[dict, list[bool]]:
+    """The tokens of the greedy requests, and whether each step queued the next one ahead."""
+    queued, queue = [], runner._queue_ahead
+
+    def spy(step, ending):
+        ahead = queue(step, ending)
+        queued.append(ahead is not None)
+        return ahead
+
+    runner._queue_ahead = spy
+    trace = drive(runner, requests(greedy_params()), draft_tokens=draft_tokens, step_tokens=48)
+    return trace.tokens, queued
+
+
+def test_rows_whose_guesses_would_not_pay_leave_every_step_queued_ahead(model):
+    """Where no verified position pays for itself, no row arms: the steps are queued ahead
+    exactly as without speculation. Where positions are free, rows arm and do not."""
+    plain = _queued_ahead(ModelRunner(model, parse_scheme("fp16")), 0)
+    costly = ModelRunner(model, parse_scheme("fp16"), speculative="ngram")
+    costly.position_cost = lambda rows: 10.0
+    assert _queued_ahead(costly, 4) == plain
+    free_tokens, free_queued = _queued_ahead(runner_for(model, "fp16"), 4)
+    assert free_tokens == plain[0]
+    assert free_queued.count(True) < plain[1].count(True)

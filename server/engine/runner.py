@@ -210,7 +210,7 @@ class ModelRunner:
         return StepResult(prefilled=prefilled, sampled={r: p.token for r, p in picks.items()},
                           logprobs={r: p.logprob for r, p in picks.items() if p.logprob is not None},
                           cached=cached, accepted={r: a for r, a in accepted.items() if a},
-                          proposed=proposed)
+                          proposed=proposed, armed=frozenset(self._armed))
 
     def release(self, request_id: str, keep: bool = False) -> None:
         """Free a request's cache (its batch row leaves); called when it finishes or is aborted.
@@ -411,13 +411,19 @@ class ModelRunner:
     def _arm(self, rows: list[str]) -> None:
         """Once per step, for the next one: paused rows count the step, then the rows that
         will propose are those active whose tokens known so far (this step's are not read
-        yet) end in an earlier match. Text that does not repeat itself rarely arms a row, so
-        its steps keep being queued ahead; a row's arming depends on its own tokens only,
-        so it proposes at the same steps alone or in any batch."""
+        yet) end in an earlier match, provided one guess each would pay for its position in
+        a batch of this size. Text that does not repeat itself rarely arms a row, and a wide
+        batch where positions cost more than the rows' guesses bring arms none: either way
+        steps keep being queued ahead. (Proposals never change the tokens, only the steps.)"""
         for r in rows:
             if r in self._spec and not self._spec[r].active:
                 self._spec[r].tick()
-        self._armed = {r for r in rows if self._proposing(r) and self._spec[r].index.propose(self._tokens[r], 1)}
+        armed = {r for r in rows if self._proposing(r) and self._spec[r].index.propose(self._tokens[r], 1)}
+        # A position's gain falls with its depth while its cost does not: if a first guess
+        # does not pay, no longer proposal does (verify_width would verify nothing).
+        if armed and verify_width([(1, self._spec[r].rate) for r in armed], len(rows), self.position_cost) == 1:
+            armed = set()
+        self._armed = armed
 
     def _propose(self, drafts: dict[str, int]) -> list[list[int]]:
         """Each batch row's proposals (maybe none): armed rows look their last tokens up in

@@ -10,9 +10,10 @@ Policy (continuous batching with chunked prefill):
   * a step computes at most ``max_step_tokens`` tokens: every decoding request costs 1 and
     always runs, the rest of the budget goes to prompt chunks (each at most
     ``prefill_step_size``) of the running requests that still prefill, in admission order;
-  * with ``max_draft_tokens`` (speculative decoding), a decoding request may also verify up
-    to that many proposed tokens in its row; they come out of the same budgets, before the
-    prompt chunks, and never past the request's ``max_tokens`` (``StepPlan.drafts``);
+  * with ``max_draft_tokens`` (speculative decoding), a decoding request that the runner
+    said will propose (``StepResult.armed``) may also verify up to that many proposed tokens
+    in its row; they come out of the same budgets, before the prompt chunks, and never past
+    the request's ``max_tokens`` (``StepPlan.drafts``);
   * with ``max_kv_tokens``, KV memory is a budget too: a request is admitted only when its
     whole prompt fits beside what the running requests hold, and when decoding outgrows the
     budget the most recently admitted decoding request is *preempted*: its cache is swapped
@@ -103,6 +104,7 @@ class StepResult:
     proposed: dict[str, int] = field(default_factory=dict)  # tokens each row verified
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # rows that asked
     cached: dict[str, int] = field(default_factory=dict)  # prompt tokens a prefix cache gave (in prefilled too)
+    armed: frozenset[str] = frozenset()  # rows that will propose at the next step: only they get drafts
 
 
 class Scheduler:
@@ -120,6 +122,7 @@ class Scheduler:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) < max_running ({max_running})")
         self.max_kv_tokens = max_kv_tokens
         self.max_draft_tokens = max_draft_tokens
+        self.armed: frozenset[str] = frozenset()  # the last step's StepResult.armed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -157,19 +160,22 @@ class Scheduler:
                         swap_in=tuple(r for r in swap_in if r not in swap_out), drafts=drafts)
 
     def _drafts(self, decode: tuple[Request, ...], room: int) -> dict[str, int]:
-        """Proposed tokens each decoding request may verify: ``max_draft_tokens``, less
-        where its ``max_tokens`` is near (the step's own token comes after them) or the
-        step's token and KV budgets run out (earliest admitted first).
+        """Proposed tokens each armed decoding request may verify: ``max_draft_tokens``,
+        less where its ``max_tokens`` is near (the step's own token comes after them) or the
+        step's token and KV budgets run out (earliest admitted first). A row that will not
+        propose reserves nothing, so prompt chunks keep the budget.
 
             >>> from kvserve.server.engine.request import Request, SamplingParams
             >>> s = Scheduler(2, 16, 4, max_step_tokens=8, max_draft_tokens=4)
-            >>> a, b = (Request([1], SamplingParams(max_tokens=n)) for n in (9, 3))
+            >>> a, b, c = (Request([1], SamplingParams(max_tokens=n), request_id=i)
+            ...            for n, i in ((9, "a"), (3, "b"), (9, "c")))
             >>> b.num_generated = 1
-            >>> list(s._drafts((a, b), room=6).values())
-            [4, 1]
+            >>> s.armed = frozenset({"a", "b"})
+            >>> s._drafts((a, b, c), room=6)
+            {'a': 4, 'b': 1}
         """
         out = {}
-        for r in decode:
+        for r in (r for r in decode if r.request_id in self.armed):
             n = min(self.max_draft_tokens, r.params.max_tokens - r.num_generated - 1, room)
             if n > 0:
                 out[r.request_id] = n
@@ -178,6 +184,7 @@ class Scheduler:
 
     def commit(self, result: StepResult) -> None:
         """Advance counters and states after the runner executed a plan."""
+        self.armed = result.armed
         for request in self.running:
             done = result.prefilled.get(request.request_id, 0)
             if request.request_id in result.cached:

@@ -38,17 +38,17 @@ RATE_DECAY = 0.8  # weight of the history in a row's acceptance rate
 
 def position_cost(rows: int) -> float:
     """What one more verified position costs, as a share of a one-token decode step of
-    ``rows`` rows, fitted on a 2-core x86-64 VM with the default model (135M, dense f32,
-    OpenBLAS) at ~1,100 cached tokens (``python bench/speculative.py --costs``). One row: a
-    5-position forward takes 1.50x a 1-position one (0.125 a position). Eight rows: 2.90x
-    (0.475 a position), and rows that keep different counts are realigned, a copy of their
-    caches that takes 0.86 of a step; a position costs ~0.9 of a step there. Between the
-    two, linear.
+    ``rows`` rows, fitted on a 2-core x86-64 VM with the default model (135M, decode
+    products from the packed codes, the CPU attention kernel and layer primitives) at
+    ~1,100 cached tokens (``python bench/speculative.py --costs``). One row: a 5-position
+    forward takes 1.6-2.0x a 1-position one (~0.2 a position). Eight rows: 2.6x (0.4 a
+    position), and rows that keep different counts are realigned, a copy of their caches
+    that takes ~1.2 steps; a position costs ~0.9 of a step there. Between the two, linear.
 
         >>> round(position_cost(1), 3), round(position_cost(8), 3)
-        (0.11, 0.901)
+        (0.2, 0.9)
     """
-    return 0.11 + 0.113 * (rows - 1)
+    return 0.2 + 0.1 * (rows - 1)
 
 
 def verify_width(guesses: list[tuple[int, float]], rows: int, cost=position_cost) -> int:
@@ -59,7 +59,7 @@ def verify_width(guesses: list[tuple[int, float]], rows: int, cost=position_cost
 
         >>> verify_width([(4, 0.9)], rows=1), verify_width([(4, 0.3)], rows=1)
         (5, 2)
-        >>> verify_width([(4, 0.9)] * 2, rows=2), verify_width([(4, 0.9)] * 8, rows=8)
+        >>> verify_width([(4, 0.9)] * 2, rows=2), verify_width([(4, 0.85)] * 8, rows=8)
         (5, 1)
     """
     best, best_score = 1, 1.0 - 1e-9  # a free position is taken
