@@ -40,8 +40,8 @@ def position_cost(rows: int) -> float:
     """What one more verified position costs, as a share of a one-token decode step of
     ``rows`` rows, fitted on a 2-core x86-64 VM with the default model (135M, decode
     products from the packed codes, the CPU attention kernel and layer primitives) at
-    ~1,100 cached tokens (``python bench/speculative.py --costs``). One row: a 5-position
-    forward takes 1.6-2.0x a 1-position one (~0.2 a position). Eight rows: 2.6x (0.4 a
+    ~1,100 cached tokens (``python bench/speculative.py --costs``). One row: 2 positions
+    take 1.24x one, 5 positions 1.95x (~0.2 a position). Eight rows: 5 take 2.6x (0.4 a
     position), and rows that keep different counts are realigned, a copy of their caches
     that takes ~1.2 steps; a position costs ~0.9 of a step there. Between the two, linear.
 
