@@ -97,6 +97,9 @@ class QuantizedFormat:
     def finish(self, o: mx.array) -> mx.array:
         return o
 
+    def decode(self, parts: tuple[mx.array, ...], scale: mx.array | None = None) -> mx.array:
+        return dequantize_parts(parts, self.fmt)
+
 
 def attend_quantized(queries: mx.array, k_parts: tuple[mx.array, ...], v_parts: tuple[mx.array, ...],
                      scale: float, mask: Any, kfmt: ComponentFormat, vfmt: ComponentFormat) -> mx.array:

@@ -329,6 +329,7 @@ def get_codec(dim: int, bits: int, seed: int) -> TurboCodec:
 #   scores(q, arrays) -> (B, H, R, L, T)   f32, over any slice of T
 #   accumulate(p, arrays) -> (B, H, R, L, D_v)   f32 sum_t p_t v_t in the format's basis
 #   finish(o) -> o                         once per step, back to the original basis
+#   decode(arrays, key_scale) -> (B, H, T, D) f32   the stored rows in the original basis
 
 def folded(x: mx.array, product) -> mx.array:
     """Apply ``product`` (a matmul with (B, H, T, .) stored arrays) to grouped x

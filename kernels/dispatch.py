@@ -12,7 +12,9 @@ result is (B, H_q, L, D_v) in the queries' dtype. Choice, in order:
    is never used again in the process and a warning is logged;
 2. on the CPU, ``attend_full`` while T <= ``CPU_FULL_MAX_T``, where one score matrix is
    cheaper than a Python loop over blocks;
-3. ``attend_blockwise`` (the reference) otherwise.
+3. on the CPU, ``attend_blockwise`` (the reference) otherwise; on a GPU, ``attend_dense``
+   (the context decoded to the queries' dtype, then MLX's fused SDPA), since the reference's
+   ``quantized_matmul`` takes no f32 activations on CUDA and would have to run on the CPU.
 
 Crossover, measured on this project's 2-core x86-64 Xeon (MLX 0.32.4 CPU, OpenBLAS
 enabled; B=8, 32 query heads over 8 KV heads, D=128, L=1, block 256), median ms per call,
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from kvserve.kernels.reference import attend_blockwise, attend_full, format_key
+from kvserve.kernels.reference import attend_blockwise, attend_dense, attend_full, format_key
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ def choose(key_fmt, value_fmt, L: int, T: int, device: mx.DeviceType | None = No
         return kernel.name
     if device == mx.cpu and T <= CPU_FULL_MAX_T:
         return "full"
-    return "blockwise"
+    return "blockwise" if device == mx.cpu else "dense"
 
 
 def attend(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
@@ -163,7 +165,7 @@ def attend(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
             return kernel.fn(*args, **kwargs)
     if device == mx.cpu and keys[0].shape[2] <= CPU_FULL_MAX_T:
         return attend_full(*args, **kwargs)
-    return attend_blockwise(*args, **kwargs) if device == mx.cpu else reference(*args, **kwargs)
+    return attend_blockwise(*args, **kwargs) if device == mx.cpu else attend_dense(*args, **kwargs)
 
 
 def _register_cuda_kernels() -> None:

@@ -1,4 +1,5 @@
-"""Pure-MLX attention over every KV storage format: the full path and the blockwise reference.
+"""Pure-MLX attention over every KV storage format: the full path, the blockwise reference
+and the dense path (decode, then MLX's SDPA) that a GPU takes where no fused kernel serves.
 
 Both take the formats through one protocol (``kvserve.cache.turbo_codec`` states it;
 ``kvserve.cache.affine.QuantizedFormat`` and the turbo family's ``RawFormat`` /
@@ -167,6 +168,29 @@ def attend_blockwise(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], val
         l, acc = alpha * l + mx.exp(sink - top), alpha * acc
     return ungroup(value_fmt.finish(acc / l), queries)
 
+
+
+def attend_dense(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
+                 values: tuple[mx.array, ...], scale: float, mask: Any,
+                 key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
+    """Decode the whole context to the queries' dtype, then MLX's fused SDPA: a GPU's path
+    for calls no fused kernel serves (prompt chunks of more than ``MAX_L`` queries over
+    stored codes). It holds one dense copy of the layer's K/V at a time, as an fp16 cache
+    would, and the attention is then what a model of that dtype computes over such a cache.
+    (The blockwise walk would keep memory bounded, but on a GPU it runs on the CPU stream:
+    MLX's CUDA ``quantized_matmul`` takes no f32 activations.)
+
+        >>> from kvserve.cache.turbo_codec import AffineFormat
+        >>> fmt, x = AffineFormat(64, 8, 64), mx.random.normal((1, 2, 40, 64))
+        >>> q = mx.random.normal((1, 4, 20, 64))
+        >>> out = attend_dense(q, fmt, fmt.encode(x), fmt, fmt.encode(x), 0.125, "causal")
+        >>> want = attend_blockwise(q, fmt, fmt.encode(x), fmt, fmt.encode(x), 0.125, "causal")
+        >>> out.shape, bool(mx.abs(out - want).max() < 1e-4)
+        ((1, 4, 20, 64), True)
+    """
+    k = key_fmt.decode(keys, key_scale).astype(queries.dtype)
+    v = value_fmt.decode(values).astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
 
 class _Identity:
     """A key format that leaves queries as they are (for the examples above)."""

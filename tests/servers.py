@@ -16,6 +16,14 @@ import httpx
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def on_gpu() -> bool:
+    """Whether servers started here run on a GPU: they take MLX's default device, as this
+    process does."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from together import together
-from servers import ServerProcess
+from servers import ServerProcess, on_gpu
 
 from kvserve.bench.soak import metrics
 
@@ -183,6 +183,9 @@ def test_eight_concurrent_greedy_chats_equal_each_alone(client, model_id):
     assert len(set(alone)) == 8
 
 
+@pytest.mark.skipif(on_gpu(), reason="on a GPU a row's logits round differently with the batch around "
+                    "it (batched products are not bit-identical to one-row ones), so seeded samples "
+                    "part after a near-tie; docs/benchmarks/gpu-status.md")
 def test_seeded_sampling_reproduces_inside_a_batch(client, model_id):
     kwargs = [dict(temperature=1.0, top_p=0.9, seed=20 + i, max_tokens=16) for i in range(8)]
     alone = [_chat(client, model_id, "cats", **k) for k in kwargs]

@@ -43,6 +43,32 @@ def test_paris_json_and_stream_agree(default_server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
 
 
+
+@pytest.mark.parametrize("scheme", ["fp16", "turbo0v4"])
+def test_a_restarted_server_answers_from_its_prompt_cache_files(default_model_dir, tmp_path, scheme):
+    """The default model, served, stopped and served again on the same cache folder: the
+    second server reads the first one's prefix cache from disk (RAM tier off, so nothing else
+    can answer) and starts at the prompt's last token. fp16 gives the cold reply token for
+    token; turbo0v4 attends over the stored codes instead of fresh K/V (by design), so it is
+    held to the right answer."""
+    body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}],
+            "temperature": 0, "max_tokens": 24}
+    answers = []
+    for _ in range(2):
+        proc = ServerProcess(default_model_dir, "--kv-scheme", scheme, "--prompt-cache-ram-gb", "0",
+                             "--prompt-cache-dir", str(tmp_path)).wait_ready()
+        try:
+            answers.append(httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=120).json())
+        finally:
+            assert proc.stop() == 0, proc.output()  # a clean stop flushes the writer
+    cold, warm = answers
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == warm["usage"]["prompt_tokens"] - 1
+    texts = [a["choices"][0]["message"]["content"] for a in answers]
+    assert all("Paris" in text for text in texts), texts
+    if scheme == "fp16":
+        assert texts[0] == texts[1]
+
 def _kvserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvserve.server.cli", *args],
                           capture_output=True, text=True, timeout=timeout)
