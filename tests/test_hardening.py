@@ -304,10 +304,18 @@ def start_streams(base_url: str, count: int, max_tokens: int) -> tuple[list, lis
     return results, events, threads
 
 
-def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_work(tiny_model_dir, tmp_path):
-    proc = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path)).wait_ready()
+@pytest.fixture(scope="module")
+def tiny_8k_dir(default_model_dir, tmp_path_factory):
+    """The tiny model with an 8K context: its 512-token one decodes in under 0.5 s here, and
+    the drain tests need streams that outlast what they check while the streams run."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-8k") / "tiny-8k", default_model_dir, context=8192)
+
+
+def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_work(tiny_8k_dir, tmp_path):
+    proc = ServerProcess(tiny_8k_dir, "--cache-dir", str(tmp_path)).wait_ready()
     try:
-        results, started, threads = start_streams(proc.base_url, 8, 400)
+        # 1,500 tokens each: the streams are still running when the refusals are checked.
+        results, started, threads = start_streams(proc.base_url, 8, 1500)
         assert all(e.wait(60) for e in started)  # all 8 are decoding
         proc.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -324,7 +332,7 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_work(tiny_mod
     assert "SIGTERM: draining 8 request(s)" in proc.output()
     # The 8 chats finished during the drain, and each was queued for the prefix cache's disk
     # writer; stopping the engine flushed them, so a restart finds all of them on disk.
-    again = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path)).wait_ready()
+    again = ServerProcess(tiny_8k_dir, "--cache-dir", str(tmp_path)).wait_ready()
     try:
         values = metrics(again.base_url)
     finally:
@@ -333,11 +341,9 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_work(tiny_mod
     assert disk and disk[0] >= 8, values
 
 
-def test_drain_timeout_aborts_what_is_left_with_a_finish_reason(default_model_dir, tmp_path):
-    # The running stream must outlast the drain whatever the machine's speed: the tiny model
-    # decodes its 512-token context in under 0.5 s, so this one asks for 8,000 tokens.
-    model = make_tiny_llama(tmp_path / "tiny-8k", default_model_dir, context=8192)
-    proc = ServerProcess(model, "--cache-dir", str(tmp_path), "--max-batch-size", "1",
+def test_drain_timeout_aborts_what_is_left_with_a_finish_reason(tiny_8k_dir, tmp_path):
+    # The running stream must outlast the 0.5 s drain whatever the machine's speed: 8,000 tokens.
+    proc = ServerProcess(tiny_8k_dir, "--cache-dir", str(tmp_path), "--max-batch-size", "1",
                          "--drain-timeout", "0.5").wait_ready()
     try:
         results, started, threads = start_streams(proc.base_url, 3, 8000)
