@@ -169,13 +169,12 @@ def attend_blockwise(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], val
     return ungroup(value_fmt.finish(acc / l), queries)
 
 
-
 def attend_dense(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fmt,
                  values: tuple[mx.array, ...], scale: float, mask: Any,
                  key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
     """Decode the whole context to the queries' dtype, then MLX's fused SDPA: a GPU's path
-    for calls no fused kernel serves (prompt chunks of more than ``MAX_L`` queries over
-    stored codes). It holds one dense copy of the layer's K/V at a time, as an fp16 cache
+    for calls no fused kernel serves (prompt chunks of more than 16 queries over stored
+    codes). It holds one dense copy of the layer's K/V at a time, as an fp16 cache
     would, and the attention is then what a model of that dtype computes over such a cache.
     (The blockwise walk would keep memory bounded, but on a GPU it runs on the CPU stream:
     MLX's CUDA ``quantized_matmul`` takes no f32 activations.)
@@ -191,6 +190,7 @@ def attend_dense(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_f
     k = key_fmt.decode(keys, key_scale).astype(queries.dtype)
     v = value_fmt.decode(values).astype(queries.dtype)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+
 
 class _Identity:
     """A key format that leaves queries as they are (for the examples above)."""
