@@ -7,7 +7,9 @@
         --target "llama:-np 8" --target "kvserve:--kv-scheme fp16"   # llama.cpp on the same GGUF
 
 Targets run one after another on the same model directory (default: the default model),
-each warmed up with one request first. ``--overhead`` adds, for kvserve targets, a steady
+each warmed up with one request first. A server given by ``--url`` is warmed up the same
+way, and its prompts are sized by its own count of tokens (the usage of a one-token
+completion) unless ``--model`` names a model directory. ``--overhead`` adds, for kvserve targets, a steady
 phase (``--concurrency`` streams that start together) whose inter-token latency is compared
 with the model step alone (``kvserve.bench.step``). ``--out`` writes PATH.md and PATH.png.
 """
@@ -21,8 +23,11 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
+
+import httpx
 
 from kvserve.bench.load import chat_bodies, run_load
 from kvserve.bench.report import markdown_table, write_chart
@@ -53,19 +58,64 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_prompts(model_dir: Path | None, n: int, tokens: int) -> list[str]:
+def make_prompts(model_dir: Path | None, n: int, tokens: int,
+                 count: Callable[[str], int] | None = None) -> list[str]:
     """``n`` different passages of about ``tokens`` tokens (distinct, so no server can
-    answer one from another's prompt cache)."""
+    answer one from another's prompt cache), as counted by ``count`` (a text's tokens),
+    else by ``model_dir``'s tokenizer, else by a rule of thumb (~1.4 tokens per word).
+
+        >>> one_per_word = lambda text: len(text.split())
+        >>> [len(p.split()) for p in make_prompts(None, 2, 100, one_per_word)]  # 7 + 100 words
+        [107, 107]
+    """
     words = _TEXT.read_text().split()
     per = max(8, int(tokens * 0.72))  # English prose: ~1.4 tokens per word
-    if model_dir is not None:
-        from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-        tok = load_tokenizer(Path(model_dir))
-        sample = " ".join(words[:per])
-        per = max(8, int(per * tokens / len(tok.encode(sample))))
+    if count is None and model_dir is not None:
+        count = tokenizer_counter(Path(model_dir))
+    if count is not None:
+        per = max(8, int(per * tokens / count(" ".join(words[:per]))))
     return [f"Summarize this passage in a few sentences:\n{' '.join(words[i * per:(i + 1) * per])}"
             for i in range(n)]
+
+
+def tokenizer_counter(model_dir: Path) -> Callable[[str], int]:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(Path(model_dir))
+    return lambda text: len(tok.encode(text))
+
+
+def server_counter(url: str, model: str) -> Callable[[str], int]:
+    """A text's tokens as the running server counts them: the prompt tokens its usage
+    reports for the text sent as a raw completion prompt (one token generated)."""
+    def count(text: str) -> int:
+        r = httpx.post(f"{url}/v1/completions", timeout=300,
+                       json={"model": model, "prompt": text, "max_tokens": 1, "temperature": 0})
+        r.raise_for_status()
+        return int(r.json()["usage"]["prompt_tokens"])
+    return count
+
+
+def url_prompts(args) -> list[str]:
+    """Prompts for ``--url``: sized by the model directory's tokenizer when ``--model`` is
+    one, else by the server's own count; by the rule of thumb where the server cannot count."""
+    if args.model and Path(args.model).is_dir():
+        return make_prompts(Path(args.model), args.requests, args.prompt_tokens)
+    try:
+        prompts = make_prompts(None, args.requests, args.prompt_tokens,
+                               server_counter(args.url, args.model or "default"))
+        print("bench: prompt sizes counted by the server", file=sys.stderr, flush=True)
+        return prompts
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+        print(f"bench: the server could not count tokens ({exc}); prompt sizes are estimated",
+              file=sys.stderr, flush=True)
+        return make_prompts(None, args.requests, args.prompt_tokens)
+
+
+def warm_up(base_url: str, model: str, chat: bool) -> None:
+    """One request with a prompt outside the measured set, so that no server may answer
+    from it later, and first-call costs (compiling, self-checks) stay out of the figures."""
+    run_load(base_url, chat_bodies(model, ["Say hello."], 8, chat), 1)
 
 
 def has_chat_template(model_dir: Path) -> bool:
@@ -109,8 +159,7 @@ def bench_target(target: Target, model_dir: Path, args, prompts: list[str], llam
     print(f"bench: starting {target.label}", file=sys.stderr, flush=True)
     running = Running(target, model_dir, llama=llama)
     try:
-        # Warm-up with a prompt outside the measured set: no server may answer from it later.
-        run_load(running.base_url, chat_bodies(running.model_name, ["Say hello."], 8, args.chat), 1)
+        warm_up(running.base_url, running.model_name, args.chat)
         result = run_load(running.base_url,
                           chat_bodies(running.model_name, prompts, args.max_tokens, args.chat),
                           args.concurrency)
@@ -189,9 +238,9 @@ def render(rows: list[dict], args, model: str, argv: list[str], chart: str | Non
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.url:
-        prompts = make_prompts(Path(args.model) if args.model and Path(args.model).is_dir() else None,
-                               args.requests, args.prompt_tokens)
+        prompts = url_prompts(args)
         args.chat = not args.completions
+        warm_up(args.url, args.model or "default", args.chat)
         result = run_load(args.url, chat_bodies(args.model or "default", prompts, args.max_tokens,
                                                 args.chat), args.concurrency)
         rows = [{"label": args.url, **result.summary()}]
