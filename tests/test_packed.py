@@ -70,10 +70,10 @@ def test_layouts_the_kernel_cannot_take_are_none():
 
 @needs_openblas
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32)])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 13, 16, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17])
 def test_products_from_codes_match_dense(shim, bits, group, m):
-    """Every row count the kernel blocks (8, 4, the rest), alpha and beta applied; 17 rows
-    are past its reach and take the dense product (no call counted)."""
+    """Every row count the kernel blocks (8, then the rest in one block), alpha and beta
+    applied; 17 rows are past its reach and take the dense product (no call counted)."""
     q = _quantized(136, 192, bits, group, seed=m)
     layout = codes_layout(q)
     dense = np.ascontiguousarray(layout.dense())

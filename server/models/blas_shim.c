@@ -312,17 +312,22 @@ static void dequant32(const unsigned char *c, int bits, v16f s, v16f b, v16f *lo
       for (int r = 0; r < R; r++) put(j->C + (long)(m + r) * j->ldc + n, j->alpha, hsum16(acc[r]), j->beta); \
     }                                                                                      \
   }
-PACKED_ROWS(1, 4) PACKED_ROWS(2, 4) PACKED_ROWS(3, 4) PACKED_ROWS(4, 4) PACKED_ROWS(8, 4)
-PACKED_ROWS(1, 8) PACKED_ROWS(2, 8) PACKED_ROWS(3, 8) PACKED_ROWS(4, 8) PACKED_ROWS(8, 8)
+PACKED_ROWS(1, 4) PACKED_ROWS(2, 4) PACKED_ROWS(3, 4) PACKED_ROWS(4, 4)
+PACKED_ROWS(5, 4) PACKED_ROWS(6, 4) PACKED_ROWS(7, 4) PACKED_ROWS(8, 4)
+PACKED_ROWS(1, 8) PACKED_ROWS(2, 8) PACKED_ROWS(3, 8) PACKED_ROWS(4, 8)
+PACKED_ROWS(5, 8) PACKED_ROWS(6, 8) PACKED_ROWS(7, 8) PACKED_ROWS(8, 8)
 typedef void (*packed_fn)(const job_t *, int, int, int);
-static const packed_fn packed_fns[2][5] = {{packed_1_4, packed_2_4, packed_3_4, packed_4_4, packed_8_4},
-                                           {packed_1_8, packed_2_8, packed_3_8, packed_4_8, packed_8_8}};
+static const packed_fn packed_fns[2][8] = {
+    {packed_1_4, packed_2_4, packed_3_4, packed_4_4, packed_5_4, packed_6_4, packed_7_4, packed_8_4},
+    {packed_1_8, packed_2_8, packed_3_8, packed_4_8, packed_5_8, packed_6_8, packed_7_8, packed_8_8}};
 
-/* Activation rows in blocks of 8, then 4, then what is left. */
+/* Activation rows in blocks of 8, then the rest in one block: every block reads and
+   dequantizes the weights once, so 5 rows (a verify step of 4 proposals, or a batch of 5)
+   take one pass over the codes, not 4 + 1. */
 static void packed_rows(const job_t *j, int n0, int n1) {
   for (int m = 0; m < j->M;) {
-    int r = j->M - m >= 8 ? 8 : j->M - m >= 4 ? 4 : j->M - m;
-    packed_fns[j->P->bits == 8][r == 8 ? 4 : r - 1](j, m, n0, n1);
+    int r = j->M - m >= 8 ? 8 : j->M - m;
+    packed_fns[j->P->bits == 8][r - 1](j, m, n0, n1);
     m += r;
   }
 }
