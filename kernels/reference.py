@@ -189,6 +189,8 @@ def attend_dense(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_f
     """
     k = key_fmt.decode(keys, key_scale).astype(queries.dtype)
     v = value_fmt.decode(values).astype(queries.dtype)
+    if sinks is not None:  # MLX's SDPA takes sinks only in a type that promotes to the output's
+        sinks = sinks.astype(queries.dtype)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -87,13 +87,15 @@ def test_blockwise_equals_full_path(name, T, L, padded):
 @pytest.mark.parametrize("dtype,padded", [(mx.float32, True), (mx.float16, False), (mx.bfloat16, True)])
 def test_dense_path_equals_the_reference_for_prompt_chunks(name, dtype, padded):
     """A GPU's path where no kernel serves (chunks of 20 queries): every format decodes its
-    rows (turbo keys with their calibration) and MLX's SDPA attends over them; the
-    difference to the blockwise reference is the rounding of K/V to the queries' dtype."""
+    rows (turbo keys with their calibration) and MLX's SDPA attends over them, with
+    attention sinks in the padded cases; the difference to the blockwise reference is the
+    rounding of K/V to the queries' dtype."""
     B, T, L = (3 if padded else 1), 300, 20
     q, kf, kp, vf, vp, key_scale, oracle = _case(name, B, 2, 64, T, L, dtype, seed=7)
     scale, mask = 64 ** -0.5, _mask(B, L, T, padded)
-    got = reference.attend_dense(q, kf, kp, vf, vp, scale, mask, key_scale)
-    want = dispatch.reference(q, kf, kp, vf, vp, scale, mask, key_scale)  # on the CPU stream
+    sinks = mx.array([2.0, -1.0, 0.5, 0.0]) if padded else None  # one logit per query head
+    got = reference.attend_dense(q, kf, kp, vf, vp, scale, mask, key_scale, sinks=sinks)
+    want = dispatch.reference(q, kf, kp, vf, vp, scale, mask, key_scale, sinks=sinks)  # CPU stream
     assert got.dtype == dtype and got.shape == want.shape == (B, 2 * H_KV, L, 64)
     diff = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
     assert diff <= _dense_tolerance(dtype), diff
