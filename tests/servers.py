@@ -81,6 +81,20 @@ def wait_healthy(base_url: str, exited, timeout: float) -> bool:
     return False
 
 
+def replies_across_a_restart(model: Path | str, body: dict, *args: str) -> tuple[dict, dict]:
+    """``body`` sent to ``/v1/chat/completions`` of a server, then of a second one started
+    after the first stopped, both with ``args`` (the same cache folder): a clean stop flushes
+    the prefix cache's disk writer, so the second can start from the first one's files."""
+    replies = []
+    for _ in range(2):
+        proc = ServerProcess(model, *args).wait_ready()
+        try:
+            replies.append(httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=120).json())
+        finally:
+            assert proc.stop() == 0, proc.output()
+    return replies[0], replies[1]
+
+
 class ServerProcess:
     """``kvserve serve`` in a subprocess on a free loopback port; stopped with SIGTERM."""
 

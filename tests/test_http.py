@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from together import together
-from servers import ServerProcess, on_gpu
+from servers import ServerProcess, on_gpu, replies_across_a_restart
 
 from kvserve.bench.soak import metrics
 
@@ -322,14 +322,7 @@ def test_prompt_cache_hits_show_in_usage_and_metrics(server, client, model_id):
 def test_a_restarted_server_reuses_prompt_cache_files(tiny_model_dir, tmp_path):
     body = {"model": "default", "messages": [{"role": "user", "content": "Remember this prompt."}],
             "temperature": 0, "max_tokens": 8}
-    answers = []
-    for _ in range(2):
-        proc = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path)).wait_ready()
-        try:
-            answers.append(httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=60).json())
-        finally:
-            assert proc.stop() == 0, proc.output()  # a clean stop flushes the writer
-    cold, warm = answers
+    cold, warm = replies_across_a_restart(tiny_model_dir, body, "--cache-dir", str(tmp_path))
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == warm["usage"]["prompt_tokens"] - 1
     assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from servers import ServerProcess
+from servers import ServerProcess, replies_across_a_restart
 from together import together
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -53,21 +53,15 @@ def test_a_restarted_server_answers_from_its_prompt_cache_files(default_model_di
     held to the right answer."""
     body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}],
             "temperature": 0, "max_tokens": 24}
-    answers = []
-    for _ in range(2):
-        proc = ServerProcess(default_model_dir, "--kv-scheme", scheme, "--prompt-cache-ram-gb", "0",
-                             "--prompt-cache-dir", str(tmp_path)).wait_ready()
-        try:
-            answers.append(httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=120).json())
-        finally:
-            assert proc.stop() == 0, proc.output()  # a clean stop flushes the writer
-    cold, warm = answers
+    cold, warm = replies_across_a_restart(default_model_dir, body, "--kv-scheme", scheme,
+                                          "--prompt-cache-ram-gb", "0", "--prompt-cache-dir", str(tmp_path))
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == warm["usage"]["prompt_tokens"] - 1
-    texts = [a["choices"][0]["message"]["content"] for a in answers]
+    texts = [a["choices"][0]["message"]["content"] for a in (cold, warm)]
     assert all("Paris" in text for text in texts), texts
     if scheme == "fp16":
         assert texts[0] == texts[1]
+
 
 def _kvserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvserve.server.cli", *args],
