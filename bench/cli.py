@@ -9,9 +9,9 @@
 Targets run one after another on the same model directory (default: the default model),
 each warmed up with one request first. A server given by ``--url`` is warmed up the same
 way, and its prompts are sized by its own count of tokens (the usage of a one-token
-completion) unless ``--model`` names a model directory. ``--overhead`` adds, for kvserve targets, a steady
-phase (``--concurrency`` streams that start together) whose inter-token latency is compared
-with the model step alone (``kvserve.bench.step``). ``--out`` writes PATH.md and PATH.png.
+completion) unless ``--model`` names a model directory. ``--overhead`` adds, for kvserve
+targets, a steady phase (``--concurrency`` streams that start together) whose inter-token
+latency is compared with the model step alone (``kvserve.bench.step``). ``--out`` writes PATH.md and PATH.png.
 """
 
 from __future__ import annotations
@@ -58,20 +58,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_prompts(model_dir: Path | None, n: int, tokens: int,
-                 count: Callable[[str], int] | None = None) -> list[str]:
+def make_prompts(n: int, tokens: int, count: Callable[[str], int] | None = None) -> list[str]:
     """``n`` different passages of about ``tokens`` tokens (distinct, so no server can
-    answer one from another's prompt cache), as counted by ``count`` (a text's tokens),
-    else by ``model_dir``'s tokenizer, else by a rule of thumb (~1.4 tokens per word).
+    answer one from another's prompt cache), as counted by ``count`` (a text's tokens:
+    ``tokenizer_counter``, ``server_counter``), else by a rule of thumb (~1.4 tokens a word).
 
         >>> one_per_word = lambda text: len(text.split())
-        >>> [len(p.split()) for p in make_prompts(None, 2, 100, one_per_word)]  # 7 + 100 words
+        >>> [len(p.split()) for p in make_prompts(2, 100, one_per_word)]  # 7 + 100 words
         [107, 107]
     """
     words = _TEXT.read_text().split()
     per = max(8, int(tokens * 0.72))  # English prose: ~1.4 tokens per word
-    if count is None and model_dir is not None:
-        count = tokenizer_counter(Path(model_dir))
     if count is not None:
         per = max(8, int(per * tokens / count(" ".join(words[:per]))))
     return [f"Summarize this passage in a few sentences:\n{' '.join(words[i * per:(i + 1) * per])}"
@@ -100,16 +97,16 @@ def url_prompts(args) -> list[str]:
     """Prompts for ``--url``: sized by the model directory's tokenizer when ``--model`` is
     one, else by the server's own count; by the rule of thumb where the server cannot count."""
     if args.model and Path(args.model).is_dir():
-        return make_prompts(Path(args.model), args.requests, args.prompt_tokens)
+        return make_prompts(args.requests, args.prompt_tokens, tokenizer_counter(Path(args.model)))
     try:
-        prompts = make_prompts(None, args.requests, args.prompt_tokens,
-                               server_counter(args.url, args.model or "default"))
+        count = server_counter(args.url, args.model or "default")
+        prompts = make_prompts(args.requests, args.prompt_tokens, count)
         print("bench: prompt sizes counted by the server", file=sys.stderr, flush=True)
         return prompts
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
         print(f"bench: the server could not count tokens ({exc}); prompt sizes are estimated",
               file=sys.stderr, flush=True)
-        return make_prompts(None, args.requests, args.prompt_tokens)
+        return make_prompts(args.requests, args.prompt_tokens)
 
 
 def warm_up(base_url: str, model: str, chat: bool) -> None:
@@ -252,7 +249,7 @@ def main(argv: list[str]) -> int:
         targets = [Target.parse(t) for t in args.target]
         model_dir = Path(args.model) if args.model else default_model_dir()
         args.chat = not args.completions and has_chat_template(model_dir)
-        prompts = make_prompts(model_dir, args.requests, args.prompt_tokens)
+        prompts = make_prompts(args.requests, args.prompt_tokens, tokenizer_counter(model_dir))
         llama = llama_server(args, model_dir, targets)
         rows = [bench_target(t, model_dir, args, prompts, llama) for t in targets]
         if args.overhead:

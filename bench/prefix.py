@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.bench.cli import default_model_dir, machine, make_prompts
+from kvserve.bench.cli import default_model_dir, machine, make_prompts, tokenizer_counter
 from kvserve.bench.load import chat_bodies
 from kvserve.bench.report import publish
 from kvserve.bench.targets import Running, Target
@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     model_dir = Path(args.model) if args.model else default_model_dir()
-    prompt = make_prompts(model_dir, 1, args.prompt_tokens)[0]
-    opening = make_prompts(model_dir, 2, 400)[1]
+    count = tokenizer_counter(model_dir)
+    prompt = make_prompts(1, args.prompt_tokens, count)[0]
+    opening = make_prompts(2, 400, count)[1]
     with tempfile.TemporaryDirectory(prefix="kvserve-prefix-bench-") as cache:
         ours = Target.parse(f"kvserve:--kv-scheme {args.kv_scheme} --prompt-cache-dir {cache}")
         targets = [ours] + ([] if args.skip_peer else [Target.parse("mlx_lm:")])

@@ -4,9 +4,10 @@ On the CPU ``mx.fast.rms_norm`` and ``mx.fast.rope`` run their fallbacks, chains
 and (gathering per-row positions from a cos/sin table) nineteen operations; ``nn.Linear`` is
 a transpose, flatten, matmul and unflatten; TurboQuant's value encoding some 25 operations.
 A decode step of one row pays MLX's cost per operation, which hardly depends on its size
-(``bench/step_profile.py --mlx-layer-ops`` shows it), and these chains were most of the ~120 operations of a layer of the
-default model (``bench/step_profile.py`` counts them). The primitives here compute the
-same values, row by row, so a row's result does not depend on its batch:
+(``bench/step_profile.py --mlx-layer-ops`` shows it), and these chains were most of the ~120
+operations of a layer of the default model (``bench/step_profile.py`` counts them). The
+primitives here compute the same values, row by row, so a row's result does not depend on
+its batch:
 
 * ``rms_norm`` and ``table_rope`` (used by ``server/engine/fastpath.py``);
 * ``linear``: the same ``cblas_sgemm`` call MLX's matmul makes, through the BLAS shim, so

@@ -82,7 +82,6 @@ def test_blockwise_equals_full_path(name, T, L, padded):
     assert mx.max(mx.abs(full.astype(mx.float32) - want.astype(mx.float32))).item() <= tol
 
 
-
 @pytest.mark.parametrize("name", SCHEME_NAMES)
 @pytest.mark.parametrize("dtype,padded", [(mx.float32, True), (mx.float16, False), (mx.bfloat16, True)])
 def test_dense_path_equals_the_reference_for_prompt_chunks(name, dtype, padded):

@@ -43,7 +43,6 @@ def test_paris_json_and_stream_agree(default_server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
 
 
-
 @pytest.mark.parametrize("scheme", ["fp16", "turbo0v4"])
 def test_a_restarted_server_answers_from_its_prompt_cache_files(default_model_dir, tmp_path, scheme):
     """The default model, served, stopped and served again on the same cache folder: the
