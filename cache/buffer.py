@@ -164,19 +164,23 @@ class GrowableBuffer:
 
     def roll_rows(self, shifts: Sequence[int]) -> None:
         """Rotate each row's written slots right by its shift (right padding -> left padding).
-        Rows move as contiguous slices, then stack again (a copy at memory speed; a gather
-        of every slot was 3x slower on a CPU)."""
+
+        Only the rows that move are copied: each one's rotated slots are made first (one
+        evaluation for all of them, after which nothing else reads the parts), then written
+        back into its row, which MLX does in place when no one else holds the part; that is
+        evaluated here too, so the rotated copies are freed before the next layer's reuse
+        their memory. Rows that do not move, and the spare capacity, are not touched (a
+        verify step where one row of eight rejects a guess moves one row, not the cache)."""
         if self.parts is None or self.size == 0 or not any(shifts):
             return
         n = self.size
-        for i, p in enumerate(self.parts):
-            rows = []
-            for b, r in enumerate(shifts):
-                row = p[b : b + 1]
-                r %= n
-                rows.append(row if r == 0 else mx.concatenate(
-                    [row[:, :, n - r : n], row[:, :, : n - r], row[:, :, n:]], axis=2))
-            self.parts[i] = mx.concatenate(rows, axis=0)
+        moved = [(i, b, mx.concatenate([p[b : b + 1, :, n - r % n : n], p[b : b + 1, :, : n - r % n]], axis=2))
+                 for i, p in enumerate(self.parts) for b, r in enumerate(shifts) if r % n]
+        mx.eval([rolled for _, _, rolled in moved])
+        for i, b, rolled in moved:
+            self.parts[i][b : b + 1, :, :n] = rolled
+        del moved, rolled
+        mx.eval(self.parts)
 
     @staticmethod
     def concat_batch(buffers: Sequence[GrowableBuffer], fronts: Sequence[int], size: int,

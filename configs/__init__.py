@@ -66,11 +66,13 @@ class EngineConfig:
     # Seconds a request may wait in the queue before it is answered with a queue_timeout
     # error (a client would rather retry elsewhere than wait on); 0: no limit.
     queue_timeout_s: float = 600.0
-    # Speculative decoding: "off" or "ngram" (propose the continuation of the latest earlier
-    # match of a request's own last tokens); each decoding row verifies up to
+    # Speculative decoding: "off", "ngram" (propose the continuation of the latest earlier
+    # match of a request's own last tokens) or "draft" (a smaller model with the same
+    # tokenizer, ``draft_model``, proposes); each decoding row verifies up to
     # ``num_draft_tokens`` proposals in one forward.
     speculative: str = "off"
     num_draft_tokens: int = 4
+    draft_model: str | None = None
     # Split the model across the processes ``mlx.launch`` started (tensor parallel over
     # mx.distributed): rank 0 serves HTTP and plans, every rank computes its shard.
     distributed: bool = False
@@ -89,8 +91,13 @@ class EngineConfig:
         if self.kv_memory is not None:
             object.__setattr__(self, "kv_memory", parse_size(self.kv_memory, "engine.kv_memory"))
         _require(self.queue_timeout_s >= 0, "engine.queue_timeout_s must be >= 0 (0: no limit)")
-        _require(self.speculative in ("off", "ngram"),
-                 f"engine.speculative must be off or ngram, got {self.speculative!r}")
+        _require(self.speculative in ("off", "ngram", "draft"),
+                 f"engine.speculative must be off, ngram or draft, got {self.speculative!r}")
+        _require((self.speculative == "draft") == bool(self.draft_model),
+                 "engine.speculative = draft needs engine.draft_model, and engine.draft_model needs it")
+        _require(not (self.draft_model and self.distributed),
+                 "engine.draft_model cannot be used with engine.distributed (each process would "
+                 "run its own draft)")
         # Sliding windows keep 16 slots past the window: a verify chunk must fit in them.
         _require(1 <= self.num_draft_tokens <= 15, "engine.num_draft_tokens must be between 1 and 15")
 

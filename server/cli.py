@@ -76,9 +76,12 @@ def _engine_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--queue-timeout", type=float,
                        help="seconds a request may wait in the queue before it gets 503 "
                             "queue_timeout (default 600; 0: no limit)")
-    serve.add_argument("--speculative", choices=["off", "ngram"],
+    serve.add_argument("--speculative", choices=["off", "ngram", "draft"],
                        help="speculative decoding: 'ngram' verifies the continuation of an earlier "
-                            "match of each request's last tokens (default off)")
+                            "match of each request's last tokens, 'draft' the greedy continuation "
+                            "of --draft-model (default off)")
+    serve.add_argument("--draft-model", help="with --speculative draft: a smaller model with the same "
+                                             "tokenizer (directory, .gguf or name, as --model)")
     serve.add_argument("--num-draft-tokens", type=int,
                        help="proposed tokens a request verifies per step (default 4, at most 15)")
     serve.add_argument("--distributed", action="store_true", default=None,
@@ -126,6 +129,7 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "engine.queue_timeout_s": args.queue_timeout,
         "engine.speculative": args.speculative,
         "engine.num_draft_tokens": args.num_draft_tokens,
+        "engine.draft_model": args.draft_model,
         "engine.distributed": args.distributed,
     })
 
@@ -176,7 +180,7 @@ def serve(config: ServerConfig) -> int:
     if group is not None and group.rank() != 0:
         return _follow(config, scheme, blas.describe(), group)
     engine = Engine(make_loader(config.model, scheme, blas.describe(), _progress, config.cache,
-                                config.engine.speculative, group), config.engine)
+                                config.engine.speculative, group, config.engine.draft_model), config.engine)
     loaded = engine.start()
     _progress(f"serving {loaded.info.describe()}")
     _progress(f"KV memory: {engine.kv_budget.describe()}")

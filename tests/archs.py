@@ -262,6 +262,31 @@ def make_tiny_model(arch: str, dst: Path, tokenizer_dir: Path, seed: int = 0) ->
     return dst
 
 
+def make_padded_model(arch: str, extra: int, dst: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """``make_tiny_model(arch, seed)`` with ``extra`` more layers that add nothing (their
+    attention and MLP output projections are zero, so the residual stream passes through
+    them unchanged): it computes exactly what the tiny model does, at more cost per token.
+    A target for which the tiny model is an exact, cheap draft model."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    config = {**config_of(arch), "num_hidden_layers": config_of(arch)["num_hidden_layers"] + extra}
+    weights = dict(tree_flatten(build_model(arch, seed).parameters()))
+    first = config_of(arch)["num_hidden_layers"]
+    for i in range(first, config["num_hidden_layers"]):
+        for key, value in list(weights.items()):
+            if key.startswith("model.layers.0."):
+                zero = key.endswith(("o_proj.weight", "down_proj.weight"))
+                weights[key.replace("layers.0.", f"layers.{i}.")] = mx.zeros_like(value) if zero else value
+    dst.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dst / "model.safetensors"), weights)
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, dst / name)
+    return dst
+
+
 def _check_sanitize_keeps(model, weights: dict) -> None:
     """``load`` passes the file through ``sanitize`` (renames, transposes, adds 1 to norms of
     unconverted checkpoints): the saved form must be the one it leaves alone."""

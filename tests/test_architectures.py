@@ -33,6 +33,8 @@ decode to a replacement character.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -330,18 +332,42 @@ def test_an_architecture_without_a_cache_is_refused_at_start_up(models, tmp_path
                      "mlx-lm's ChunkedKVCache (no kvserve cache for this layer kind)"], result.stderr
 
 
-def test_speculation_on_a_model_with_recurrent_layers_is_refused_at_start_up(models, tmp_path):
-    """A recurrent state cannot drop some rows' rejected tokens: ``--speculative ngram`` on
-    LFM2 exits before it listens, with one line that says why."""
+def _start_up_errors(*args: str) -> list[str]:
+    """``kvserve serve ARGS`` that must exit before it listens: its one error line."""
     import subprocess
     import sys
 
-    result = subprocess.run(
-        [sys.executable, "-m", "kvserve.server.cli", "serve", "--model", str(models("lfm2")),
-         "--cache-dir", str(tmp_path), "--port", "0", "--speculative", "ngram"],
-        capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "kvserve.server.cli", "serve", "--port", "0", *args],
+                            capture_output=True, text=True, timeout=180)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("kvserve: error:")]
+    return [line for line in result.stderr.splitlines() if line.startswith("kvserve: error:")]
+
+
+def _other_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy of a model directory whose tokenizer swaps the ids of two tokens."""
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = (t for t, i in vocab.items() if i in (1000, 1001))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (dst / "tokenizer.json").write_text(json.dumps(data))
+    return dst
+
+
+@pytest.mark.parametrize("draft,reason", [("lfm2", "recurrent-state layers"), ("other-tokenizer", "another tokenizer")])
+def test_a_draft_model_that_cannot_propose_is_refused_at_start_up(models, tmp_path, draft, reason):
+    """``--speculative draft``: a draft whose recurrent layers cannot drop rejected tokens,
+    or whose tokenizer gives other ids, exits before the server listens, in one line."""
+    path = models(draft) if draft != "other-tokenizer" else _other_tokenizer(models("llama"), tmp_path / "d")
+    lines = _start_up_errors("--model", str(models("llama")), "--cache-dir", str(tmp_path / "c"),
+                             "--speculative", "draft", "--draft-model", str(path))
+    assert len(lines) == 1 and lines[0].startswith(f"kvserve: error: draft model {path.name} ") and reason in lines[0], lines
+
+
+def test_speculation_on_a_model_with_recurrent_layers_is_refused_at_start_up(models, tmp_path):
+    """A recurrent state cannot drop some rows' rejected tokens: ``--speculative ngram`` on
+    LFM2 exits before it listens, with one line that says why."""
+    lines = _start_up_errors("--model", str(models("lfm2")), "--cache-dir", str(tmp_path), "--speculative", "ngram")
     assert len(lines) == 1 and "speculative decoding needs layers that can drop rejected tokens" in lines[0] \
-        and "recurrent-state layers" in lines[0], result.stderr
+        and "recurrent-state layers" in lines[0], lines

@@ -43,3 +43,15 @@ def test_waiting_limits_default_and_refusals():
     assert load_config("default").engine.queue_timeout_s == 600.0 == EngineConfig().queue_timeout_s
     with pytest.raises(ConfigError, match="http.sse_keepalive_s must be > 0"):
         HTTPConfig(sse_keepalive_s=0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"speculative": "draft"}, "engine.speculative = draft needs engine.draft_model"),
+    ({"draft_model": "m"}, "engine.speculative = draft needs engine.draft_model, and engine.draft_model needs it"),
+    ({"speculative": "draft", "draft_model": "m", "distributed": True}, "cannot be used with engine.distributed"),
+    ({"speculative": "eagle"}, "engine.speculative must be off, ngram or draft, got 'eagle'"),
+])
+def test_speculative_settings_refused_with_their_reason(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        EngineConfig(**kwargs)
+    assert EngineConfig(speculative="draft", draft_model="m").draft_model == "m"

@@ -1,9 +1,12 @@
-"""Speculative decoding (prompt lookup) inside the continuous batch, on tiny random models.
+"""Speculative decoding inside the continuous batch, on tiny random models, with both
+proposers: prompt lookup (``ngram``) and a draft model (``draft``: the target with its
+weights perturbed by 1% of their spread, so it agrees with the target often, not always).
 
 Greedy rows must give exactly the tokens of a run without speculation, alone and in a batch
 of 8, in every scheme family and with sliding windows; sampled rows must keep the model's
 distribution (a chi-square test of the acceptance rule) and give the same tokens alone and
-batched; the rejected tokens leave every layer in its own class and scheme.
+batched; the rejected tokens leave every layer, the target's and the draft's, in its own
+class and scheme.
 """
 
 from __future__ import annotations
@@ -12,13 +15,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from archs import build_model, prompt_tokens
+from mlx.utils import tree_flatten, tree_unflatten
 
 from kvserve.cache import parse_scheme
+from kvserve.server.engine.draft import DraftProposer
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.runner import ModelRunner
 from kvserve.server.engine.sampler import RequestSampler
 from kvserve.server.engine.scheduler import Scheduler
+from kvserve.server.engine.speculation import NgramProposer
 from stepping import drive
+
+PROPOSERS = ["ngram", "draft"]
 
 # Prompts that repeat a stretch and end inside its repeat, so prompt lookup guesses from the
 # first decode step; the model follows some guesses (and its own loops) and not others.
@@ -40,18 +48,43 @@ def greedy_params() -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, temperature=0.0) for n in MAX_TOKENS]
 
 
+_DRAFTS: dict[int, tuple] = {}
+
+
+def draft_of(model, noise: float = 0.01, seed: int = 7):
+    """The target's class and weights, each weight plus ``noise`` times its spread of
+    Gaussian noise: a draft that proposes what the target would, mostly."""
+    if id(model) not in _DRAFTS:
+        draft = type(model)(model.args)
+        mx.random.seed(seed)
+        draft.update(tree_unflatten([(k, v + noise * mx.std(v) * mx.random.normal(v.shape).astype(v.dtype))
+                                     for k, v in tree_flatten(model.parameters())]))
+        mx.eval(draft.parameters())
+        _DRAFTS[id(model)] = (model, draft)  # the model too: its id stays its own
+    return _DRAFTS[id(model)][1]
+
+
+def proposer(mode: str, model, scheme: str):
+    if mode == "off":
+        return None
+    if mode == "ngram":
+        return NgramProposer()
+    return DraftProposer(draft_of(model), parse_scheme(scheme), cost=0.0)
+
+
 def runner_for(model, scheme: str, mode: str = "ngram") -> ModelRunner:
     """A runner that verifies every guess (positions cost nothing), so that these tests
     exercise verification whatever the batch; ``test_the_cost_model_*`` covers the choice."""
-    runner = ModelRunner(model, parse_scheme(scheme), speculative=mode)
-    runner.position_cost = lambda rows: 0.0
+    runner = ModelRunner(model, parse_scheme(scheme), proposer=proposer(mode, model, scheme))
+    if runner.speculation is not None:
+        runner.speculation.position_cost = lambda rows: 0.0
     return runner
 
 
-def run(model, scheme: str, reqs: list[Request], speculative: bool, alone: bool = False, **kw):
-    """Tokens of each request, and the trace totals (proposed, accepted)."""
-    mode = "ngram" if speculative else "off"
-    draft = 4 if speculative else 0
+def run(model, scheme: str, reqs: list[Request], mode: str, alone: bool = False, **kw):
+    """Tokens of each request, and the trace totals (proposed, accepted); ``mode``: off,
+    ngram or draft."""
+    draft = 0 if mode == "off" else 4
     kw.setdefault("step_tokens", 48)  # every row's 1 + 4 fit: proposals never depend on the batch
     if not alone:
         trace = drive(runner_for(model, scheme, mode), reqs, draft_tokens=draft, **kw)
@@ -65,37 +98,40 @@ def run(model, scheme: str, reqs: list[Request], speculative: bool, alone: bool 
     return out, tuple(totals)
 
 
+@pytest.mark.parametrize("mode", PROPOSERS)
 @pytest.mark.parametrize("scheme", ["fp16", "affine4", "turbo0v4", "mxfp4"])
-def test_greedy_tokens_equal_a_run_without_speculation(model, scheme):
-    plain, _ = run(model, scheme, requests(greedy_params()), speculative=False)
-    batched, (proposed, accepted) = run(model, scheme, requests(greedy_params()), speculative=True)
-    lone, _ = run(model, scheme, requests(greedy_params()), speculative=True, alone=True)
+def test_greedy_tokens_equal_a_run_without_speculation(model, scheme, mode):
+    plain, _ = run(model, scheme, requests(greedy_params()), "off")
+    batched, (proposed, accepted) = run(model, scheme, requests(greedy_params()), mode)
+    lone, _ = run(model, scheme, requests(greedy_params()), mode, alone=True)
     assert batched == plain == lone
     assert [len(batched[f"r{i}"]) for i in range(8)] == MAX_TOKENS
     # Both outcomes happen: proposals kept and proposals rejected.
     assert 0 < accepted < proposed
 
 
+@pytest.mark.parametrize("mode", PROPOSERS)
 @pytest.mark.parametrize("arch,seed", [("ministral3", 4), ("gpt_oss", 2), ("gemma4_text", 3)])  # sinks, KV sharing
-def test_a_sliding_window_model_speculates_exactly(arch, seed):
+def test_a_sliding_window_model_speculates_exactly(arch, seed, mode):
     model = build_model(arch, seed=seed)
     base = prompt_tokens(7, 10)
     prompts = [(base * 6)[: 30 + 7 * i] for i in range(4)]  # windows of 16: prompts slide them
     params = [SamplingParams(max_tokens=40, temperature=0.0) for _ in prompts]
     for scheme in ("fp16", "affine4"):
-        plain, _ = run(model, scheme, requests(params, prompts), speculative=False)
-        spec, (proposed, accepted) = run(model, scheme, requests(params, prompts), speculative=True)
+        plain, _ = run(model, scheme, requests(params, prompts), "off")
+        spec, (proposed, accepted) = run(model, scheme, requests(params, prompts), mode)
         assert spec == plain
         assert 0 < accepted < proposed
 
 
-def test_seeded_sampled_rows_give_the_same_tokens_alone_batched_and_without_speculation(model):
+@pytest.mark.parametrize("mode", PROPOSERS)
+def test_seeded_sampled_rows_give_the_same_tokens_alone_batched_and_without_speculation(model, mode):
     params = [SamplingParams(max_tokens=n, temperature=0.1, top_k=20, seed=40 + i, frequency_penalty=0.3 * (i % 2),
                              logit_bias=((7, 2.0),) if i == 3 else ())
               for i, n in enumerate(MAX_TOKENS)]
-    batched, (proposed, accepted) = run(model, "fp16", requests(params), speculative=True)
-    lone, _ = run(model, "fp16", requests(params), speculative=True, alone=True)
-    plain, _ = run(model, "fp16", requests(params), speculative=False)
+    batched, (proposed, accepted) = run(model, "fp16", requests(params), mode)
+    lone, _ = run(model, "fp16", requests(params), mode, alone=True)
+    plain, _ = run(model, "fp16", requests(params), "off")
     assert batched == lone == plain  # each position drawn with the key it would have had
     assert 0 < accepted < proposed  # low temperature: the rows repeat themselves, mostly
 
@@ -118,32 +154,64 @@ def test_rows_that_cannot_take_proposals_sample_as_usual_beside_rows_that_do(mod
     assert max(abs(x.logprob - y.logprob) for x, y in zip(spec, plain)) < 1e-3
 
 
+def _layout(cache) -> tuple:
+    return tuple((type(layer).__name__, layer.scheme.name, getattr(layer, "phase", None)) for layer in cache.layers)
+
+
+@pytest.mark.parametrize("mode", PROPOSERS)
 @pytest.mark.parametrize("scheme", ["fp16", "affine4", "turbo0v4"])
-def test_layers_keep_their_class_and_scheme_through_accept_and_reject(model, scheme):
-    """After every verify step each layer is still its scheme's batch class. TurboQuant is
-    compressed from the first one: verify chunks are several tokens long, and a cache that
-    only compresses on one-token steps would quietly decode unquantized."""
-    runner = runner_for(model, scheme)
+def test_layers_keep_their_class_and_scheme_through_accept_and_reject(model, scheme, mode):
+    """After every verify step each layer is still its scheme's batch class, and each draft
+    cache's layer its scheme's B = 1 class. TurboQuant is compressed from the first one:
+    verify chunks (and a draft's catch-up) are several tokens long, and a cache that only
+    compresses on one-token steps would quietly decode unquantized."""
+    runner = runner_for(model, scheme, mode)
     scheduler = Scheduler(max_running=8, prefill_step_size=64, max_waiting=8, max_step_tokens=64,
                           max_draft_tokens=4)
     for r in requests(greedy_params()):
         scheduler.add(r)
-    layouts, outcomes = set(), set()
+    layouts, draft_layouts, outcomes = set(), set(), set()
     while scheduler.has_work:
         result = runner.execute(scheduler.schedule())
         scheduler.commit(result)
         if result.proposed:
-            layouts.add(tuple((type(layer).__name__, layer.scheme.name, getattr(layer, "phase", None))
-                              for layer in runner._batch.layers))
+            layouts.add(_layout(runner._batch))
+            draft_layouts |= {_layout(runner.speculation.proposer.cache_of(r)) for r in result.proposed
+                              if mode == "draft"}
             outcomes |= {len(result.accepted.get(r, ())) == n for r, n in result.proposed.items()}
         for r in list(scheduler.running):
             if r.num_generated >= r.params.max_tokens:
                 scheduler.finish(r, None)
                 runner.release(r.request_id)
     assert outcomes == {True, False}  # whole and partial acceptances both happened
-    expected = {"fp16": ("BatchFP16KVCache", None), "affine4": ("BatchQuantizedKVCache", None),
-                "turbo0v4": ("BatchTurboKVCache", "compressed")}[scheme]
-    assert layouts == {((expected[0], scheme, expected[1]),) * 2}
+    batch_class, single_class, phase = {"fp16": ("BatchFP16KVCache", "FP16KVCache", None),
+                                        "affine4": ("BatchQuantizedKVCache", "QuantizedKVCache", None),
+                                        "turbo0v4": ("BatchTurboKVCache", "TurboKVCache", "compressed")}[scheme]
+    assert layouts == {((batch_class, scheme, phase),) * 2}
+    assert draft_layouts == ({((single_class, scheme, phase),) * 2} if mode == "draft" else set())
+
+
+def test_a_draft_follows_preemption_and_resumes_exactly(model):
+    """A preempted request's draft cache is dropped with it and rebuilt from its tokens when
+    it resumes: the tokens are those of a run without speculation or preemption."""
+    plain, _ = run(model, "fp16", requests(greedy_params()), "off")
+    runner = runner_for(model, "fp16", "draft")
+    trace = drive(runner, requests(greedy_params()), draft_tokens=4, step_tokens=48, max_kv_tokens=200)
+    assert any(kind == "out" for kind, _ in trace.swaps)
+    assert trace.tokens == plain
+    assert 0 < trace.accepted < trace.proposed
+    assert runner.speculation.proposer._caches == {}  # every finished request let its cache go
+
+
+def test_a_draft_proposal_stops_at_a_token_the_served_model_lacks(model):
+    """A draft whose vocabulary is larger than the served model's: a proposal ends before
+    the first id the served model has no row for."""
+    full = DraftProposer(draft_of(model), parse_scheme("fp16"), cost=0.0)
+    tokens = PROMPTS[3]  # its third draft token is larger than the two before it
+    chain = full.propose({"a": (tokens, 4)})["a"]
+    assert max(chain[:2]) < chain[2]
+    cut = DraftProposer(draft_of(model), parse_scheme("fp16"), cost=0.0, vocab=chain[2])
+    assert cut.propose({"a": (tokens, 4)})["a"] == chain[:2]
 
 
 # ---- the acceptance rule keeps the model's distribution --------------------------------
@@ -185,8 +253,8 @@ def test_sampled_acceptance_emits_the_models_distribution(guess):
 def test_the_cost_model_verifies_fewer_positions_in_a_wide_batch(model):
     """With the CPU's measured cost of a position, a batch of 8 verifies far fewer guesses
     than one where positions are free; the tokens are the same."""
-    free, (free_proposed, _) = run(model, "fp16", requests(greedy_params()), speculative=True)
-    trace = drive(ModelRunner(model, parse_scheme("fp16"), speculative="ngram"), requests(greedy_params()),
+    free, (free_proposed, _) = run(model, "fp16", requests(greedy_params()), "ngram")
+    trace = drive(ModelRunner(model, parse_scheme("fp16"), proposer=NgramProposer()), requests(greedy_params()),
                   draft_tokens=4, step_tokens=48)
     assert trace.tokens == free
     assert trace.proposed < free_proposed / 2
@@ -210,8 +278,8 @@ def test_rows_whose_guesses_would_not_pay_leave_every_step_queued_ahead(model):
     """Where no verified position pays for itself, no row arms: the steps are queued ahead
     exactly as without speculation. Where positions are free, rows arm and do not."""
     plain = _queued_ahead(ModelRunner(model, parse_scheme("fp16")), 0)
-    costly = ModelRunner(model, parse_scheme("fp16"), speculative="ngram")
-    costly.position_cost = lambda rows: 10.0
+    costly = ModelRunner(model, parse_scheme("fp16"), proposer=NgramProposer())
+    costly.speculation.position_cost = lambda rows: 10.0
     assert _queued_ahead(costly, 4) == plain
     free_tokens, free_queued = _queued_ahead(runner_for(model, "fp16"), 4)
     assert free_tokens == plain[0]

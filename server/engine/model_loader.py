@@ -23,13 +23,14 @@ log = logging.getLogger("kvserve.engine")
 
 def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
                 progress: Callable[[str], None] | None = None, cache: CacheConfig | None = None,
-                speculative: str = "off", group=None):
+                speculative: str = "off", group=None, draft_model: str | None = None):
     """Returns a zero-argument loader for ``Engine``; ``blas`` describes the active BLAS;
-    ``cache`` sizes the prefix cache (None: no prefix cache); ``speculative`` the proposer;
-    ``group``: rank 0 of a model split across processes (its runner leads the others)."""
+    ``cache`` sizes the prefix cache (None: no prefix cache); ``speculative`` the proposer
+    ("off", "ngram", or "draft" with ``draft_model``); ``group``: rank 0 of a model split
+    across processes (its runner leads the others)."""
 
     def load() -> LoadedModel:
-        loaded = load_model(config, scheme, blas, progress, cache, speculative, group)
+        loaded = load_model(config, scheme, blas, progress, cache, speculative, group, draft_model)
         if group is None:
             return loaded
         from kvserve.server.engine.distributed import Channel, LeaderRunner
@@ -41,12 +42,14 @@ def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
 
 def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                progress: Callable[[str], None] | None = None,
-               cache: CacheConfig | None = None, speculative: str = "off", group=None) -> LoadedModel:
+               cache: CacheConfig | None = None, speculative: str = "off", group=None,
+               draft_model: str | None = None) -> LoadedModel:
     """The model (this rank's shard of it with ``group``), its runner and prefix cache."""
     from kvserve.server.engine.fastpath import install_cpu_ops, install_table_rope
     from kvserve.server.engine.kv_memory import token_bytes
     from kvserve.server.engine.grammar import Grammars
     from kvserve.server.engine.runner import ModelRunner
+    from kvserve.server.engine.speculation import NgramProposer
 
     bundle = load_bundle(config, kv_scheme=scheme.name, blas=blas, progress=progress,
                          check=lambda model: _check_servable(model, scheme, model_id_for(config.model, config.model)),
@@ -68,9 +71,38 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
 
             prefix = AgreedPrefix(prefix, group)
     grammars = Grammars(bundle.tokenizer, bundle.info.vocab_size)
-    runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, speculative)
+    proposer = NgramProposer() if speculative == "ngram" else None
+    if speculative == "draft":
+        proposer = load_draft(replace(config, model=draft_model), bundle, scheme, blas, progress)
+    runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, proposer)
     return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars,
                        kv_token_bytes=token_bytes(bundle.model, scheme))
+
+
+def load_draft(config: ModelConfig, target, scheme: KVScheme, blas: str,
+               progress: Callable[[str], None] | None = None):
+    """The draft model of ``--speculative draft`` as a ``DraftProposer``: loaded like the
+    served model (``target``, a ``ModelBundle``), refused in one line when its tokenizer
+    maps tokens to other ids than the served one's, or when its layers cannot drop the
+    proposals the served model rejects."""
+    from kvserve.server.engine.draft import DraftProposer, relative_cost
+    from kvserve.server.engine.fastpath import install_cpu_ops, install_table_rope
+
+    name = model_id_for(config.model, config.model)
+    draft = load_bundle(config, kv_scheme=scheme.name, blas=blas, progress=progress,
+                        check=lambda model: _check_servable(model, scheme, f"draft model {name}"))
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ModelLoadError(f"draft model {name} has another tokenizer than the served model "
+                             f"{target.info.model_id}: its proposals would be other tokens")
+    layout = _layout(draft.model, scheme)
+    if "state" in layout:
+        raise ModelLoadError(f"draft model {name} has recurrent-state layers ({layout}): they cannot "
+                             f"drop the proposals the served model rejects")
+    install_table_rope(draft.model, draft.info.context_length)
+    install_cpu_ops(draft.model)
+    cost = relative_cost(draft.model, target.model, scheme)
+    log.info("draft model %s: a decode step costs %.2f of the served model's", draft.info.describe(), cost)
+    return DraftProposer(draft.model, scheme, cost, vocab=target.info.vocab_size or None)
 
 
 def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer, scheme: KVScheme,

@@ -52,7 +52,7 @@ from kvserve.server.engine.heap import heap_stats
 from kvserve.server.engine.request import Request
 from kvserve.server.engine.sampler import Draw, Pick, RequestSampler, agreed, draw_rows, sample_rows
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
-from kvserve.server.engine.speculation import RowSpeculation, position_cost, verify_width
+from kvserve.server.engine.speculation import Proposer, Speculator
 
 
 log = logging.getLogger(__name__)
@@ -154,13 +154,10 @@ class ModelRunner:
     kv_bytes_by_rank: dict[int, int] = {}  # a model split across processes: each one's KV bytes
 
     def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None, prefix=None,
-                 grammars: Grammars | None = None, speculative: str = "off"):
+                 grammars: Grammars | None = None, proposer: Proposer | None = None):
         self.model = model
-        self.speculative = speculative  # "off" or "ngram"
-        self._spec: dict[str, RowSpeculation] = {}  # rows that propose (speculative != "off")
-        self._consulted: dict[str, int] = {}  # rows asked for proposals this step: how many
-        self._armed: set[str] = set()  # rows whose known tokens end in a match: they propose next
-        self.position_cost = position_cost  # a verified position's share of a step (speculation.py)
+        # Speculative decoding: who proposes (prompt lookup or a draft model); None: off.
+        self.speculation = Speculator(proposer) if proposer is not None else None
         self.scheme = scheme
         self.grammars = grammars  # compiles the grammars of constrained requests
         self.prefix = prefix  # kvserve.cache.prefix.PrefixCache or None
@@ -203,14 +200,15 @@ class ModelRunner:
             accepted, decoded, proposed = self._read_verified(step)
         else:
             accepted, decoded, proposed = {}, self._read(step), {}
-        self._record(accepted)
+        if self.speculation is not None:
+            self.speculation.record(accepted)
         picks = {**decoded, **prompt_picks}
         for request_id, pick in picks.items():
             self._tokens[request_id].extend((*accepted.get(request_id, ()), pick.token))
         return StepResult(prefilled=prefilled, sampled={r: p.token for r, p in picks.items()},
                           logprobs={r: p.logprob for r, p in picks.items() if p.logprob is not None},
                           cached=cached, accepted={r: a for r, a in accepted.items() if a},
-                          proposed=proposed, armed=frozenset(self._armed))
+                          proposed=proposed, armed=self._armed)
 
     def release(self, request_id: str, keep: bool = False) -> None:
         """Free a request's cache (its batch row leaves); called when it finishes or is aborted.
@@ -222,7 +220,8 @@ class ModelRunner:
             if cache is not None and cache.offset in (len(tokens) - 1, len(tokens)):
                 self._offer(tokens[: cache.offset], cache)
         self._hits.pop(request_id, None)
-        self._spec.pop(request_id, None)
+        if self.speculation is not None:
+            self.speculation.release(request_id)
         self._samplers.pop(request_id, None)
         self._single.pop(request_id, None)
         self._last.pop(request_id, None)
@@ -392,49 +391,26 @@ class ModelRunner:
             return None
         self._park([r for r in self._rows if r not in planned])
         self._join([r.request_id for r in requests if r.request_id not in self._rows])
-        proposals = self._propose(drafts)
+        proposals = self.speculation.propose(self._rows, drafts, self._tokens) if self.speculation else []
         if any(proposals):
             return self._verify(proposals)
         return self._forward(mx.array([[self._last[r]] for r in self._rows]))  # (B, 1)
 
     # ---- speculative decoding: proposals verified inside the batch ----------------------
-    def _speculates(self, request_id: str) -> bool:
+    def _takes_proposals(self, request_id: str) -> bool:
         """Rows whose sampling can take verified proposals: no grammar (its matcher moves
         one token at a time) and no logprobs (reported per sampled token)."""
         params = self._samplers[request_id].params
-        return self.speculative != "off" and params.grammar is None and not params.logprobs
-
-    def _proposing(self, request_id: str) -> bool:
-        """The row speculates and is not paused (``_arm`` tells whether it proposes)."""
-        return self._speculates(request_id) and self._spec.setdefault(request_id, RowSpeculation()).active
+        return params.grammar is None and not params.logprobs
 
     def _arm(self, rows: list[str]) -> None:
-        """Once per step, for the next one: paused rows count the step, then the rows that
-        will propose are those active whose tokens known so far (this step's are not read
-        yet) end in an earlier match, provided one guess each would pay for its position in
-        a batch of this size. Text that does not repeat itself rarely arms a row, and a wide
-        batch where positions cost more than the rows' guesses bring arms none: either way
-        steps keep being queued ahead. (Proposals never change the tokens, only the steps.)"""
-        for r in rows:
-            if r in self._spec and not self._spec[r].active:
-                self._spec[r].tick()
-        armed = {r for r in rows if self._proposing(r) and self._spec[r].index.propose(self._tokens[r], 1)}
-        # A position's gain falls with its depth while its cost does not: if a first guess
-        # does not pay, no longer proposal does (verify_width would verify nothing).
-        if armed and verify_width([(1, self._spec[r].rate) for r in armed], len(rows), self.position_cost) == 1:
-            armed = set()
-        self._armed = armed
+        """Once per step: the rows that propose at the next one (``Speculator.arm``)."""
+        if self.speculation is not None:
+            self.speculation.arm(rows, self._tokens, self._takes_proposals)
 
-    def _propose(self, drafts: dict[str, int]) -> list[list[int]]:
-        """Each batch row's proposals (maybe none): armed rows look their last tokens up in
-        their own prompt and output; ``verify_width`` cuts them to what the rows' acceptance
-        rates pay for in a batch of this size."""
-        guesses = {r: self._spec[r].index.propose(self._tokens[r], drafts[r])
-                   for r in self._rows if drafts.get(r, 0) > 0 and r in self._armed}
-        width = verify_width([(len(g), self._spec[r].rate) for r, g in guesses.items() if g], len(self._rows),
-                             self.position_cost)
-        self._consulted = {r: min(len(g), width - 1) for r, g in guesses.items()}
-        return [guesses.get(r, [])[: width - 1] for r in self._rows]
+    @property
+    def _armed(self) -> frozenset[str]:
+        return self.speculation.armed if self.speculation is not None else frozenset()
 
     def _verify(self, proposals: list[list[int]]) -> VerifyStep:
         """One forward over every row, ``[last, *proposals]`` each, right-padded with the
@@ -461,14 +437,6 @@ class ModelRunner:
             self._last[r] = pick.token
             accepted[r], picks[r] = tuple(kept), pick
         return accepted, picks, {r: len(g) for r, g in zip(step.rows, step.proposals) if g}
-
-    def _record(self, accepted: dict[str, tuple[int, ...]]) -> None:
-        """Every row consulted this step (whether or not it guessed, whatever the step's
-        form) counts its outcome once: the adaptive rule sees one history per request."""
-        for r, n in self._consulted.items():
-            if r in self._spec:
-                self._spec[r].record(n, len(accepted.get(r, ())))
-        self._consulted = {}
 
     def _forward(self, tokens: mx.array, ahead: bool = False) -> DecodeStep:
         """One decode forward over the whole batch, sampled per row, evaluation started.
@@ -523,6 +491,8 @@ class ModelRunner:
         if request_id in self._rows:
             self._park([request_id])
         cache = self._single.pop(request_id)
+        if self.speculation is not None:  # a draft model's cache is rebuilt when it resumes
+            self.speculation.proposer.release(request_id)
         if self._swap_dir is None:
             self._swap_dir = Path(tempfile.mkdtemp(prefix="kvserve-swap-", dir=self._swap_root))
         self._swap_count += 1  # file names never carry request input

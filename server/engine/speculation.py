@@ -16,6 +16,10 @@ guesses right most of the time, for no second model.
     >>> index.propose([1, 2, 3], k=3)                     # no earlier match: nothing
     []
 
+A draft model (``--speculative draft``, ``draft.py``) proposes instead: its own greedy
+continuation of the row's tokens. Either way a ``Speculator`` decides which rows propose at
+each step and how many of their proposals are verified.
+
 Adaptive, twice. Verifying costs: every row of the batch computes as many positions as the
 longest proposal (a rectangular forward), and no step is queued ahead while any row
 proposes. So ``verify_width`` verifies only as many positions as the rows' expected accepted
@@ -26,8 +30,9 @@ position, ``position_cost``); and a row whose guesses keep failing pauses
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import fsum
+from typing import Callable, Protocol
 
 NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match is a better guess
 MIN_GAIN = 0.3  # accepted tokens per step below which a row pauses
@@ -42,8 +47,12 @@ def position_cost(rows: int) -> float:
     products from the packed codes, the CPU attention kernel and layer primitives) at
     ~1,100 cached tokens (``python bench/speculative.py --costs``). One row: 2 positions
     take 1.24x one, 5 positions 1.95x (~0.2 a position). Eight rows: 5 take 2.6x (0.4 a
-    position), and rows that keep different counts are realigned, a copy of their caches
-    that takes ~1.2 steps; a position costs ~0.9 of a step there. Between the two, linear.
+    position), and rows that keep different counts are realigned (a copy of each row that
+    moves, ~0.2 of a step per row); with the step queued ahead lost as well, a position
+    costs ~0.9 of a step there. Between the two, linear. (Fitted lower, 0.41 at eight rows,
+    eight copying streams verified 2-3 positions a step and decoded 75-79 tok/s against
+    the 85-90 of plain steps: at eight rows the products are bound by arithmetic, not by
+    per-step overhead, so an extra position is no longer nearly free.)
 
         >>> round(position_cost(1), 3), round(position_cost(8), 3)
         (0.2, 0.9)
@@ -100,15 +109,14 @@ class NgramIndex:
 
 @dataclass
 class RowSpeculation:
-    """One request's proposer and the rule that pauses it.
+    """One request's acceptance history and the rule that pauses its proposals.
 
-        >>> row = RowSpeculation(NgramIndex())
+        >>> row = RowSpeculation()
         >>> for _ in range(6): row.record(proposed=4, accepted=0)
         >>> row.active, row.paused_for
         (False, 16)
     """
 
-    index: NgramIndex = field(default_factory=NgramIndex)
     gain: float = 1.0  # running mean of accepted tokens per step
     kept: float = 0.0  # decayed counts of guesses kept and of first rejections
     missed: float = 0.0
@@ -141,5 +149,130 @@ class RowSpeculation:
             self.next_pause = FIRST_PAUSE  # it guesses well again: short pauses
 
     def tick(self) -> None:
-        """A step this row decoded while paused."""
+        """A step this row decoded while paused; a pause that ends forgets the acceptance
+        history, so the row tries again from the prior (a rate that stayed too low to pay
+        for a position would otherwise never be measured again).
+
+            >>> row = RowSpeculation(missed=3.0, paused_for=1); row.tick(); row.active, row.rate
+            (True, 0.5)
+        """
         self.paused_for = max(0, self.paused_for - 1)
+        if self.paused_for == 0:
+            self.kept = self.missed = 0.0
+
+
+class Proposer(Protocol):
+    """Where proposals come from: ``ready`` says whether a row would propose after
+    ``tokens``, ``propose`` gives up to k tokens per row (``{id: (tokens, k)}``), ``release``
+    forgets a request. ``cost``: one proposed position's forward, as a share of a one-row
+    decode step of the target (0: no model runs)."""
+
+    cost: float
+
+    def ready(self, request_id: str, tokens: list[int]) -> bool: ...
+
+    def propose(self, wants: dict[str, tuple[list[int], int]]) -> dict[str, list[int]]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class NgramProposer:
+    """Prompt lookup: each request's ``NgramIndex`` over its own prompt and output.
+
+        >>> p = NgramProposer()
+        >>> p.ready("a", [5, 6, 7, 5, 6]), p.propose({"a": ([5, 6, 7, 5, 6], 2)})
+        (True, {'a': [7, 5]})
+    """
+
+    cost = 0.0
+
+    def __init__(self):
+        self._index: dict[str, NgramIndex] = {}
+
+    def ready(self, request_id: str, tokens: list[int]) -> bool:
+        return bool(self._index.setdefault(request_id, NgramIndex()).propose(tokens, 1))
+
+    def propose(self, wants: dict[str, tuple[list[int], int]]) -> dict[str, list[int]]:
+        return {r: self._index.setdefault(r, NgramIndex()).propose(tokens, k) for r, (tokens, k) in wants.items()}
+
+    def release(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+class Speculator:
+    """Which decoding rows propose at each step and how many of their proposals are
+    verified; the runner feeds it the rows' tokens and what the model kept.
+
+    Once per step (``arm``), for the next one: paused rows count the step, then the rows
+    that will propose are those whose proposer is ready, provided one guess each would pay
+    for its position in a batch of this size. Text that does not repeat itself rarely arms
+    an n-gram row, and a wide batch where positions cost more than the rows' guesses bring
+    arms none: either way the runner keeps queueing steps ahead. (Proposals never change
+    the tokens, only the steps.)
+
+        >>> s = Speculator(NgramProposer())
+        >>> tokens = {"a": [5, 6, 7, 5, 6], "b": [1, 2, 3]}
+        >>> sorted(s.arm(["a"], tokens, takes=lambda r: True)), sorted(s.arm(["b"], tokens, takes=lambda r: True))
+        (['a'], [])
+        >>> s.arm(["a"], tokens, takes=lambda r: True) and s.propose(["a"], {"a": 4}, tokens)
+        [[7]]
+
+    ("b" has no earlier match; "a" proposes "7 5 6", and at a first guess's rate of 1/2 one
+    verified position pays for itself in a one-row batch, a second does not.)
+    """
+
+    def __init__(self, proposer: Proposer):
+        self.proposer = proposer
+        self.position_cost = position_cost  # a verified position's share of a step
+        self._rows: dict[str, RowSpeculation] = {}
+        self._consulted: dict[str, int] = {}  # rows asked for proposals this step: how many
+        self.armed: frozenset[str] = frozenset()  # rows that propose at the next step
+
+    def cost(self, rows: int) -> float:
+        """A verified position's share of a step of ``rows`` rows, with the forward a draft
+        model takes for it in each row (counted at a one-row step: an upper bound).
+
+            >>> Speculator(NgramProposer()).cost(1)
+            0.2
+        """
+        return self.position_cost(rows) + self.proposer.cost * rows
+
+    def arm(self, rows: list[str], tokens: dict[str, list[int]], takes: Callable[[str], bool]) -> frozenset[str]:
+        """The rows that propose at the next step; ``takes(r)``: row r's sampling can take
+        verified proposals (no grammar, no logprobs)."""
+        for r in rows:
+            if r in self._rows and not self._rows[r].active:
+                self._rows[r].tick()
+        armed = {r for r in rows if takes(r) and self._rows.setdefault(r, RowSpeculation()).active
+                 and self.proposer.ready(r, tokens[r])}
+        # A position's gain falls with its depth while its cost does not: if a first guess
+        # does not pay, no longer proposal does (verify_width would verify nothing). Rows
+        # declined count a step without gain: they pause, and try again after it.
+        if armed and verify_width([(1, self._rows[r].rate) for r in armed], len(rows), self.cost) == 1:
+            for r in armed:
+                self._rows[r].record(proposed=0, accepted=0)
+            armed = set()
+        self.armed = frozenset(armed)
+        return self.armed
+
+    def propose(self, rows: list[str], drafts: dict[str, int], tokens: dict[str, list[int]]) -> list[list[int]]:
+        """Each batch row's proposals (maybe none): armed rows with ``drafts`` ask the
+        proposer; ``verify_width`` cuts them to what the rows' acceptance rates pay for in a
+        batch of this size."""
+        wants = {r: (tokens[r], drafts[r]) for r in rows if drafts.get(r, 0) > 0 and r in self.armed}
+        guesses = self.proposer.propose(wants) if wants else {}
+        width = verify_width([(len(g), self._rows[r].rate) for r, g in guesses.items() if g], len(rows), self.cost)
+        self._consulted = {r: min(len(g), width - 1) for r, g in guesses.items()}
+        return [guesses.get(r, [])[: width - 1] for r in rows]
+
+    def record(self, accepted: dict[str, tuple[int, ...]]) -> None:
+        """Every row consulted this step (whether or not it guessed, whatever the step's
+        form) counts its outcome once: the adaptive rule sees one history per request."""
+        for r, n in self._consulted.items():
+            if r in self._rows:
+                self._rows[r].record(n, len(accepted.get(r, ())))
+        self._consulted = {}
+
+    def release(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+        self.proposer.release(request_id)
