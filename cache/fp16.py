@@ -51,6 +51,8 @@ def attend_grouped(queries: mx.array, keys: mx.array, values: mx.array, scale: f
     rows = Hq // Hkv * L
     scores = keys @ (queries * scale).reshape(B, Hkv, rows, D).swapaxes(-1, -2)  # (B, H_kv, T, rows)
     m = mask.reshape(mask.shape[0], Hkv if mask.shape[1] > 1 else 1, -1, T).swapaxes(-1, -2)
+    if 1 < m.shape[-1] < rows:  # one mask for every head over several queries: each group repeats it
+        m = mx.tile(m, (1, 1, 1, rows // m.shape[-1]))
     scores = scores.astype(mx.float32)
     if m.dtype == mx.bool_:
         scores = mx.where(m, scores, mx.finfo(mx.float32).min)

@@ -5,7 +5,9 @@
 #     path (decode, then MLX's SDPA) that serves prompt chunks over stored codes;
 #   - the default model served over HTTP on the GPU: greedy answers alone and in a batch of 8,
 #     streaming, and prefix cache files reused by a restarted server;
-#   - the HTTP layer on a tiny model (errors, streaming, logprobs, metrics, restarts).
+#   - the HTTP layer on a tiny model (errors, streaming, logprobs, metrics, restarts);
+#   - speculative decoding over HTTP: prompt lookup on the default model, a draft model on a
+#     tiny one.
 # Without a GPU the kernel files skip and the rest runs on the CPU. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,4 +18,4 @@ python3 -c 'import mlx.core as mx; print("MLX", mx.__version__, "default device:
 workers=(); python3 -c 'import xdist' 2>/dev/null && workers=(-n 4)
 exec python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_kernels_cuda.py \
     tests/test_kernels_mma.py tests/test_kernels.py::test_dense_path_equals_the_reference_for_prompt_chunks \
-    tests/test_real_model.py tests/test_http.py -k "not gemma3" "$@"
+    tests/test_real_model.py tests/test_http.py tests/test_speculative_http.py -k "not gemma3" "$@"

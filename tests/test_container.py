@@ -276,10 +276,12 @@ def test_batch_containers_round_trip_too(model, tmp_path):
 
 
 @pytest.mark.parametrize("dtype,atol", [(mx.float32, 1e-6), (mx.float16, 2e-3)])
-@pytest.mark.parametrize("heads,kv_heads,L,mask_heads", [(8, 2, 1, 1), (6, 3, 4, 6), (4, 4, 3, 1)])
+@pytest.mark.parametrize("heads,kv_heads,L,mask_heads", [(8, 2, 1, 1), (6, 3, 4, 6), (4, 4, 3, 1), (8, 2, 5, 1)])
 def test_grouped_attention_under_a_mask_equals_mlx_sdpa(dtype, atol, heads, kv_heads, L, mask_heads):
-    """The fp16 family's masked decode path (a GPU's left-padded batches): boolean and
-    additive masks, one or every query head, any query group, against MLX's own SDPA."""
+    """The fp16 family's masked decode path (a GPU's left-padded batches and verify steps):
+    boolean and additive masks, one or every query head, any query group, one query or
+    several (a verify step: one mask for every head over 5 queries of 4-query groups),
+    against MLX's own SDPA."""
     from kvserve.cache.fp16 import attend_grouped
 
     keys = mx.random.split(mx.random.key(5), 5)

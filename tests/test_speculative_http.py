@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from archs import make_padded_model, make_tiny_model, prompt_tokens
-from servers import ServerProcess
+from servers import ServerProcess, on_gpu
 
 TEXT = (Path(__file__).resolve().parents[1] / "server/engine/data/eval-gpl-3.0.txt").read_text().split()
 PASSAGES = [" ".join(TEXT[200 + 150 * i : 200 + 150 * i + 120]) for i in range(4)]
@@ -113,22 +113,29 @@ def _draft_counts(server) -> tuple[float, float]:
     return c["kvserve_speculative_proposed_tokens_total"], c["kvserve_speculative_accepted_tokens_total"]
 
 
-def test_a_draft_models_proposals_leave_the_replies_as_they_were(drafted):
-    """One request at a time (where the draft's forwards pay for themselves), greedy, then
-    seeded and streamed; then all four at once. Every reply equals the plain server's, and
-    every greedy proposal is kept (the draft computes what the target does)."""
+def _text(server, body) -> str:
+    reply = complete(server, **body)
+    return "".join(c.choices[0].text for c in reply if c.choices) if body.get("stream") else reply.choices[0].text
+
+
+def test_a_draft_models_greedy_proposals_leave_the_replies_as_they_were(drafted):
+    """One request at a time (where the draft's forwards pay for themselves), then three at
+    once: every reply equals the plain server's, and every proposal verified one at a time
+    is kept (the draft computes what the target does)."""
     greedy = [dict(prompt=prompt_tokens(20 + i, 12), max_tokens=40, temperature=0) for i in range(3)]
-    seeded = [dict(prompt=prompt_tokens(30, 12), max_tokens=40, temperature=0.9, seed=5, stream=True)]
-
-    def text(server, body) -> str:
-        reply = complete(server, **body)
-        return "".join(c.choices[0].text for c in reply if c.choices) if body.get("stream") else reply.choices[0].text
-
+    plain = [_text(drafted["off"], b) for b in greedy]
     before = _draft_counts(drafted["draft"])
-    assert [text(drafted["draft"], b) for b in greedy] == [text(drafted["off"], b) for b in greedy]
+    assert [_text(drafted["draft"], b) for b in greedy] == plain
     proposed, accepted = (b - a for a, b in zip(before, _draft_counts(drafted["draft"])))
     assert accepted == proposed > 0
-    assert [text(drafted["draft"], b) for b in seeded] == [text(drafted["off"], b) for b in seeded]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda b: text(drafted["draft"], b), greedy + seeded))
-    assert together == [text(drafted["off"], b) for b in greedy + seeded]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(lambda b: _text(drafted["draft"], b), greedy)) == plain
+
+
+@pytest.mark.skipif(on_gpu(), reason="on a GPU a verified position's logits round differently from a decoded "
+                                     "one's, so seeded samples part after a near-tie; docs/benchmarks/gpu-serve.md")
+def test_a_draft_models_seeded_stream_is_the_plain_servers(drafted):
+    body = dict(prompt=prompt_tokens(30, 12), max_tokens=40, temperature=0.9, seed=5, stream=True)
+    before = _draft_counts(drafted["draft"])
+    assert _text(drafted["draft"], body) == _text(drafted["off"], body)
+    assert _draft_counts(drafted["draft"])[0] > before[0]

@@ -48,11 +48,13 @@ def position_cost(rows: int) -> float:
     ~1,100 cached tokens (``python bench/speculative.py --costs``). One row: 2 positions
     take 1.24x one, 5 positions 1.95x (~0.2 a position). Eight rows: 5 take 2.6x (0.4 a
     position), and rows that keep different counts are realigned (a copy of each row that
-    moves, ~0.2 of a step per row); with the step queued ahead lost as well, a position
-    costs ~0.9 of a step there. Between the two, linear. (Fitted lower, 0.41 at eight rows,
-    eight copying streams verified 2-3 positions a step and decoded 75-79 tok/s against
-    the 85-90 of plain steps: at eight rows the products are bound by arithmetic, not by
-    per-step overhead, so an extra position is no longer nearly free.)
+    moves, ~0.2 of a step per row), and the step queued ahead is lost; a position costs
+    ~0.9 of a step there. Between the two, linear. Fitted lower (0.41 at eight rows), the
+    eight copying streams of ``python bench/speculative.py --engine-steps --fit 0.2,0.03``
+    verified 2-3 positions a step, 186.5 ms a step against 61-65 ms for a plain one, and
+    their all-eight-rows steps decoded 91.6 tok/s against 130.5 without speculation: at
+    eight rows a verify forward of 24 or more rows leaves the packed codes for the dense
+    products, and the step is bound by arithmetic, not per-step overhead.
 
         >>> round(position_cost(1), 3), round(position_cost(8), 3)
         (0.2, 0.9)
