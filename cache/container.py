@@ -195,6 +195,14 @@ class PromptCache(Sequence):
         for layer in self._layers:
             layer.begin_decode()
 
+    def record_positions(self) -> None:
+        """The next forward is a verify step: recurrent layers keep their state after each
+        of its positions, so ``trim_rows`` can roll every row back to the tokens it keeps."""
+        for layer in self._layers:
+            for part in layer.parts if isinstance(layer, PARALLEL) else (layer,):
+                if hasattr(part, "record_positions"):
+                    part.record_positions()
+
     # --- conversion, inside the container ---
 
     def _targets(self) -> list[tuple[int, KVScheme]]:

@@ -19,6 +19,16 @@ A state is valid only at the exact position it was taken (``is_trimmable`` is Fa
 the last forward can be undone: the first write of each array in a forward keeps the array
 it replaces, and ``trim(n)`` with n = the tokens of that forward puts them back.
 
+Speculative decoding verifies several tokens per row in one forward and keeps a different
+number of them per row. A state has no per-token history, so the forward keeps one itself:
+``record_positions`` before it makes the decoder layers over a state take the chunk one
+position at a time (``install_position_steps``: the model's own layer code, called per
+position, as decoding calls it), the state after each position is kept, and ``trim_rows``
+gives each row the state after the last token it keeps.
+
+    rows a, b verify [x y z]      states after x, after y, after z are kept
+    trim_rows([0, 2])             row a: the state after z; row b: the state after x
+
     >>> c = StateCache(1)
     >>> c[0] = mx.zeros((1, 3)); c.advance(2)
     >>> c[0] = mx.ones((1, 3)); c.advance(1)
@@ -28,6 +38,7 @@ it replaces, and ``trim(n)`` with n = the tokens of that forward puts them back.
 
 from __future__ import annotations
 
+from functools import cache as _memo
 from typing import Any
 
 import mlx.core as mx
@@ -52,6 +63,8 @@ class StateCache:
         self.lengths = None  # mlx-lm's right-padding lengths: kvserve never right-pads
         self._before: dict[int, mx.array | None] = {}  # arrays this forward replaced
         self._undo: tuple[dict[int, mx.array | None], list[int]] | None = None
+        # While recording (a verify forward): the arrays and offsets after each position.
+        self._positions: list[tuple[list[mx.array | None], list[int]]] | None = None
 
     # --- what mlx-lm's model code calls ---
 
@@ -73,6 +86,16 @@ class StateCache:
             self.left_padding = self.left_padding - N
             if int(mx.max(self.left_padding).item()) <= 0:
                 self.left_padding = None
+        if self._positions is not None:
+            self._positions.append((list(self.cache), list(self.offsets)))
+
+    def record_positions(self) -> None:
+        """Keep the state after each position of the next forward (``trim_rows``)."""
+        self._positions = []
+
+    @property
+    def recording(self) -> bool:
+        return self._positions is not None
 
     def make_mask(self, N: int, **_: Any) -> mx.array | None:
         """(B, N) bool hiding left padding from the state, or None when there is none."""
@@ -180,6 +203,7 @@ class BatchStateCache(StateCache):
         idx = mx.array(indices, dtype=mx.int32)
         self.cache = [None if a is None else a[idx] for a in self.cache]
         self.offsets = [self.offsets[i] for i in indices]
+        self._positions = None  # rows left: a verify forward's positions no longer line up
         if self.left_padding is not None:
             self.left_padding = self.left_padding[idx]
         if self._undo is not None:  # a queued forward over these rows may still be undone
@@ -198,12 +222,36 @@ class BatchStateCache(StateCache):
         self._forget_undo()
 
     def can_trim_rows(self, counts: list[int]) -> bool:
-        """A state cannot drop some rows' last tokens: the arrays hold no per-token history."""
-        return not any(counts)
+        """Rows can drop their last tokens only back into a recorded forward (the arrays
+        hold no per-token history of their own); rows added after it drop none."""
+        if not any(counts):
+            return True
+        positions = self._positions or []
+        rows = len(positions[0][1]) if positions else 0
+        return all(c < len(positions) if b < rows else c == 0 for b, c in enumerate(counts))
 
     def trim_rows(self, counts: list[int]) -> None:
+        """Row b takes the state it had ``counts[b]`` positions before the end of the
+        recorded forward (rows added since keep theirs); recording stops.
+
+            >>> c = BatchStateCache(1, offsets=[4, 4]); c.record_positions()
+            >>> for v in (1.0, 2.0, 3.0):
+            ...     c[0] = mx.full((2, 1), v); c.advance(1)
+            >>> c.trim_rows([0, 2]); c[0].tolist(), c.offsets
+            ([[3.0], [1.0]], [7, 5])
+        """
         if not self.can_trim_rows(counts):
-            raise ValueError("a recurrent state cannot drop tokens row by row")
+            raise ValueError("a recurrent state can drop tokens row by row only back into a "
+                             "forward that recorded its positions")
+        positions, self._positions = self._positions, None
+        if not any(counts):
+            return
+        last, rows = len(positions) - 1, len(positions[0][1])
+        kept = [positions[last - c] if b < rows else (self.cache, self.offsets) for b, c in enumerate(counts)]
+        self.cache = [None if a is None else mx.concatenate([k[0][i][b : b + 1] for b, k in enumerate(kept)])
+                      for i, a in enumerate(self.cache)]
+        self.offsets = [k[1][b] for b, k in enumerate(kept)]
+        self._forget_undo()
 
     def prepare(self, *, left_padding: list[int] | None = None, **_: Any) -> None:
         if left_padding is not None and any(left_padding):
@@ -211,6 +259,34 @@ class BatchStateCache(StateCache):
 
     def finalize(self) -> None:
         pass
+
+
+def install_position_steps(model) -> None:
+    """Let the decoder layers of ``model`` that run over a recurrent state take a recording
+    forward (``StateCache.record_positions``) one position at a time: their class becomes a
+    subclass whose ``__call__`` splits such a chunk and calls the layer's own code per
+    position. Any other call, and every other layer, runs as before; the parameters and the
+    module tree are unchanged. Idempotent."""
+    for layer in getattr(model, "layers", []):
+        if not getattr(type(layer), "steps_positions", False):
+            layer.__class__ = _position_stepped(type(layer))
+
+
+@_memo
+def _position_stepped(cls: type) -> type:
+    def __call__(self, *args, **kwargs):
+        # Layers of state models are called as layer(x, mask=..., cache=...); other layers
+        # (whatever their signature) never see a recording state and pass straight through.
+        x, mask, cache = (*args, None, None)[:3] if len(args) < 3 else args[:3]
+        mask, cache = kwargs.get("mask", mask), kwargs.get("cache", cache)
+        if not (isinstance(cache, StateCache) and cache.recording and x.shape[1] > 1):
+            return cls.__call__(self, *args, **kwargs)
+        # The mask of a state layer is (B, L): which positions are real (left padding).
+        outs = [cls.__call__(self, x[:, j : j + 1], mask=None if mask is None else mask[:, j : j + 1], cache=cache)
+                for j in range(x.shape[1])]
+        return mx.concatenate(outs, axis=1)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "steps_positions": True})
 
 
 def _stack(arrays: list[mx.array | None], rows: list[int] | None = None) -> mx.array | None:

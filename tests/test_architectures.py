@@ -365,9 +365,11 @@ def test_a_draft_model_that_cannot_propose_is_refused_at_start_up(models, tmp_pa
     assert len(lines) == 1 and lines[0].startswith(f"kvserve: error: draft model {path.name} ") and reason in lines[0], lines
 
 
-def test_speculation_on_a_model_with_recurrent_layers_is_refused_at_start_up(models, tmp_path):
-    """A recurrent state cannot drop some rows' rejected tokens: ``--speculative ngram`` on
-    LFM2 exits before it listens, with one line that says why."""
-    lines = _start_up_errors("--model", str(models("lfm2")), "--cache-dir", str(tmp_path), "--speculative", "ngram")
+def test_speculation_on_a_model_with_a_state_beside_attention_is_refused_at_start_up(models, tmp_path):
+    """Falcon-H1 runs a Mamba state and attention side by side in one layer, which verifies a
+    chunk at once: its state cannot roll back row by row, so ``--speculative ngram`` exits
+    before it listens, with one line that says why. (Layers of a state alone verify
+    position by position: ``tests/test_speculative.py``.)"""
+    lines = _start_up_errors("--model", str(models("falcon_h1")), "--cache-dir", str(tmp_path), "--speculative", "ngram")
     assert len(lines) == 1 and "speculative decoding needs layers that can drop rejected tokens" in lines[0] \
-        and "recurrent-state layers" in lines[0], lines
+        and "recurrent-state layers beside attention in one layer ((state2|kv)*2)" in lines[0], lines

@@ -3,7 +3,7 @@ proposers: prompt lookup (``ngram``) and a draft model (``draft``: the target wi
 weights perturbed by 1% of their spread, so it agrees with the target often, not always).
 
 Greedy rows must give exactly the tokens of a run without speculation, alone and in a batch
-of 8, in every scheme family and with sliding windows; sampled rows must keep the model's
+of 8, in every scheme family, with sliding windows and with recurrent states; sampled rows must keep the model's
 distribution (a chi-square test of the acceptance rule) and give the same tokens alone and
 batched; the rejected tokens leave every layer, the target's and the draft's, in its own
 class and scheme.
@@ -110,9 +110,7 @@ def test_greedy_tokens_equal_a_run_without_speculation(model, scheme, mode):
     assert 0 < accepted < proposed
 
 
-@pytest.mark.parametrize("mode", PROPOSERS)
-@pytest.mark.parametrize("arch,seed", [("ministral3", 4), ("gpt_oss", 2), ("gemma4_text", 3)])  # sinks, KV sharing
-def test_a_sliding_window_model_speculates_exactly(arch, seed, mode):
+def _speculates_exactly(arch: str, seed: int, mode: str) -> None:
     model = build_model(arch, seed=seed)
     base = prompt_tokens(7, 10)
     prompts = [(base * 6)[: 30 + 7 * i] for i in range(4)]  # windows of 16: prompts slide them
@@ -122,6 +120,22 @@ def test_a_sliding_window_model_speculates_exactly(arch, seed, mode):
         spec, (proposed, accepted) = run(model, scheme, requests(params, prompts), mode)
         assert spec == plain
         assert 0 < accepted < proposed
+
+
+@pytest.mark.parametrize("mode", PROPOSERS)
+@pytest.mark.parametrize("arch,seed", [("ministral3", 4), ("gpt_oss", 2), ("gemma4_text", 3)])  # sinks, KV sharing
+def test_a_sliding_window_model_speculates_exactly(arch, seed, mode):
+    _speculates_exactly(arch, seed, mode)
+
+
+@pytest.mark.parametrize("arch,seed,mode", [
+    ("qwen3_5", 1, "ngram"), ("qwen3_5", 1, "draft"), ("lfm2", 2, "ngram"), ("lfm2", 2, "draft"),
+    # Random Mamba and hybrid models do not repeat their prompts: prompt lookup never guesses.
+    ("nemotron_h", 1, "draft"), ("granitemoehybrid", 1, "draft"), ("qwen3_next", 1, "draft")])
+def test_a_recurrent_model_rolls_each_row_back_to_the_tokens_it_keeps(arch, seed, mode):
+    """Recurrent layers verify position by position and each row takes the state after its
+    last kept token (``StateCache.trim_rows``): the tokens equal a run without speculation."""
+    _speculates_exactly(arch, seed, mode)
 
 
 @pytest.mark.parametrize("mode", PROPOSERS)

@@ -8,6 +8,7 @@ every array the model owns is created by the thread that will use it.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -57,9 +58,9 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     install_table_rope(bundle.model, bundle.info.context_length)
     install_cpu_ops(bundle.model)
     layout = _layout(bundle.model, scheme)
-    if speculative != "off" and "state" in layout:
+    if speculative != "off" and _state_beside_attention(layout):
         raise ModelLoadError(f"speculative decoding needs layers that can drop rejected tokens row by row; "
-                             f"this model has recurrent-state layers ({layout})")
+                             f"this model has recurrent-state layers beside attention in one layer ({layout})")
     swap_dir = config.resolved_cache_dir() / "swap"  # on disk: /tmp may be RAM-backed
     swap_dir.mkdir(parents=True, exist_ok=True)
     prefix = None
@@ -146,6 +147,16 @@ def _check_servable(model, scheme: KVScheme, name: str) -> None:
         check_servable(model, scheme, name)
     except NotServable as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def _state_beside_attention(layout: str) -> bool:
+    """A recurrent state inside a parallel layer (a Mamba beside attention in one layer):
+    such a layer verifies its chunk at once, so its state cannot roll back row by row.
+
+        >>> _state_beside_attention("(state2|kv)*2"), _state_beside_attention("state2*3,kv")
+        (True, False)
+    """
+    return any("state" in group for group in re.findall(r"\(([^)]*)\)", layout))
 
 
 def _layout(model, scheme: KVScheme) -> str:

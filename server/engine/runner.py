@@ -46,6 +46,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from kvserve.cache import KVScheme, PromptCache, load_layers, save_layers
+from kvserve.cache.recurrent import install_position_steps
 from kvserve.server.engine.fastpath import last_logits
 from kvserve.server.engine.grammar import Grammars
 from kvserve.server.engine.heap import heap_stats
@@ -158,6 +159,8 @@ class ModelRunner:
         self.model = model
         # Speculative decoding: who proposes (prompt lookup or a draft model); None: off.
         self.speculation = Speculator(proposer) if proposer is not None else None
+        if proposer is not None:  # recurrent layers verify position by position (recurrent.py)
+            install_position_steps(model)
         self.scheme = scheme
         self.grammars = grammars  # compiles the grammars of constrained requests
         self.prefix = prefix  # kvserve.cache.prefix.PrefixCache or None
@@ -418,6 +421,7 @@ class ModelRunner:
         width = 1 + max(len(g) for g in proposals)
         tokens = [[self._last[r], *g] + [self._last[r]] * (width - 1 - len(g)) for r, g in zip(self._rows, proposals)]
         self._batch.begin_decode()  # a TurboQuant prompt still raw is compressed first
+        self._batch.record_positions()  # recurrent states: one per position, for trim_rows
         logits = self.model(mx.array(tokens), cache=self._batch)  # (B, L, V)
         self._batch.maybe_convert()
         greedy = mx.argmax(logits, axis=-1)  # (B, L)
