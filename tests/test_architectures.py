@@ -373,3 +373,27 @@ def test_speculation_on_a_model_with_a_state_beside_attention_is_refused_at_star
     lines = _start_up_errors("--model", str(models("falcon_h1")), "--cache-dir", str(tmp_path), "--speculative", "ngram")
     assert len(lines) == 1 and "speculative decoding needs layers that can drop rejected tokens" in lines[0] \
         and "recurrent-state layers beside attention in one layer ((state2|kv)*2)" in lines[0], lines
+
+
+def test_a_recurrent_model_served_with_prompt_lookup_answers_as_without(models, tmp_path):
+    """Qwen3.5 (GatedDeltaNet layers beside full attention) over HTTP with ``--speculative
+    ngram``: prompts that repeat themselves get guesses verified position by position through
+    the recurrent layers, and every greedy reply equals the plain server's."""
+    servers = {mode: ServerProcess(models("qwen3_5"), "--cache-dir", str(tmp_path / mode), "--speculative", mode,
+                                   "--prompt-cache-disk-gb", "0") for mode in ("off", "ngram")}
+    try:
+        for proc in servers.values():
+            proc.wait_ready(timeout=120)
+        base = prompt_tokens(7, 10)
+        bodies = [{"model": "default", "prompt": (base * 6)[: 30 + 7 * i], "max_tokens": 40, "temperature": 0}
+                  for i in range(3)]
+        replies = {mode: [httpx.post(f"{proc.base_url}/v1/completions", json=b, timeout=TIMEOUT).json()
+                          ["choices"][0]["text"] for b in bodies] for mode, proc in servers.items()}
+        assert replies["ngram"] == replies["off"]
+        counts = metrics(servers["ngram"].base_url)
+        proposed = sum(v for k, v in counts.items() if k.startswith("kvserve_speculative_proposed_tokens_total"))
+        accepted = sum(v for k, v in counts.items() if k.startswith("kvserve_speculative_accepted_tokens_total"))
+        assert 0 < accepted < proposed
+    finally:
+        for proc in servers.values():
+            assert proc.stop() == 0, proc.output()

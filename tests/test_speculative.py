@@ -3,10 +3,10 @@ proposers: prompt lookup (``ngram``) and a draft model (``draft``: the target wi
 weights perturbed by 1% of their spread, so it agrees with the target often, not always).
 
 Greedy rows must give exactly the tokens of a run without speculation, alone and in a batch
-of 8, in every scheme family, with sliding windows and with recurrent states; sampled rows must keep the model's
-distribution (a chi-square test of the acceptance rule) and give the same tokens alone and
-batched; the rejected tokens leave every layer, the target's and the draft's, in its own
-class and scheme.
+of 8, in every scheme family, with sliding windows and with recurrent states; sampled rows
+must keep the model's distribution (a chi-square test of the acceptance rule) and give the
+same tokens alone and batched; the rejected tokens leave every layer, the target's and the
+draft's, in its own class and scheme.
 """
 
 from __future__ import annotations

@@ -63,7 +63,9 @@ class DraftProposer:
     def __init__(self, model, scheme: KVScheme, cost: float, vocab: int | None = None):
         self.model, self.scheme, self.cost, self.vocab = model, scheme, cost, vocab
         self._caches: dict[str, PromptCache] = {}
-        self._held: dict[str, list[int]] = {}  # the tokens each request's cache holds
+        # What each request's cache holds: the first n of its tokens, then the draft tokens
+        # fed after them (a request's tokens only grow, so n of them is all a check needs).
+        self._held: dict[str, tuple[int, list[int]]] = {}
 
     def ready(self, request_id: str, tokens: list[int]) -> bool:
         return len(tokens) > 0  # a draft model always has a guess
@@ -74,7 +76,7 @@ class DraftProposer:
         out = {}
         for r, chain in chains.items():
             drafted = chain.tolist()
-            self._held[r] = [*wants[r][0], *drafted[:-1]]  # the last draft token is never fed
+            self._held[r] = (len(wants[r][0]), drafted[:-1])  # the last draft token is never fed
             out[r] = self._valid(drafted)
         return out
 
@@ -106,8 +108,8 @@ class DraftProposer:
     def _catch_up(self, request_id: str, tokens: list[int]) -> PromptCache:
         """The request's cache cut to the longest prefix of ``tokens`` it holds, leaving at
         least the last token to feed (its logits give the first proposal)."""
-        cache, held = self._caches.get(request_id), self._held.get(request_id, [])
-        keep = min(common_prefix(held, tokens), len(tokens) - 1)
+        cache, (n, fed) = self._caches.get(request_id), self._held.get(request_id, (0, []))
+        keep = min(n + common_prefix(fed, tokens[n:]), len(tokens) - 1)
         drop = cache.offset - keep if cache is not None else 0
         if drop and cache.trim(drop) != drop:
             cache = None  # a layer that cannot drop that many tokens: start again
