@@ -179,7 +179,6 @@ class GrowableBuffer:
         mx.eval([rolled for _, _, rolled in moved])
         for i, b, rolled in moved:
             self.parts[i][b : b + 1, :, :n] = rolled
-        del moved, rolled
         mx.eval(self.parts)
 
     @staticmethod

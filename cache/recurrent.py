@@ -277,7 +277,7 @@ def _position_stepped(cls: type) -> type:
     def __call__(self, *args, **kwargs):
         # Layers of state models are called as layer(x, mask=..., cache=...); other layers
         # (whatever their signature) never see a recording state and pass straight through.
-        x, mask, cache = (*args, None, None)[:3] if len(args) < 3 else args[:3]
+        x, mask, cache = (*args, None, None)[:3]
         mask, cache = kwargs.get("mask", mask), kwargs.get("cache", cache)
         if not (isinstance(cache, StateCache) and cache.recording and x.shape[1] > 1):
             return cls.__call__(self, *args, **kwargs)

@@ -73,7 +73,7 @@ class DraftProposer:
     def propose(self, wants: dict[str, tuple[list[int], int]]) -> dict[str, list[int]]:
         chains = {r: self._chain(r, tokens, k) for r, (tokens, k) in wants.items() if k > 0}
         mx.eval(list(chains.values()))
-        out = {}
+        out = {r: [] for r in wants}  # k = 0: asked, nothing proposed
         for r, chain in chains.items():
             drafted = chain.tolist()
             self._held[r] = (len(wants[r][0]), drafted[:-1])  # the last draft token is never fed

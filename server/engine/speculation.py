@@ -262,6 +262,11 @@ class Speculator:
         proposer; ``verify_width`` cuts them to what the rows' acceptance rates pay for in a
         batch of this size."""
         wants = {r: (tokens[r], drafts[r]) for r in rows if drafts.get(r, 0) > 0 and r in self.armed}
+        if wants and self.proposer.cost:
+            # A draft model's tokens cost forwards: ask only for as many as full-length
+            # guesses would have verified (the same width as cutting them afterwards).
+            most = verify_width([(k, self._rows[r].rate) for r, (_, k) in wants.items()], len(rows), self.cost) - 1
+            wants = {r: (t, min(k, most)) for r, (t, k) in wants.items()}
         guesses = self.proposer.propose(wants) if wants else {}
         width = verify_width([(len(g), self._rows[r].rate) for r, g in guesses.items() if g], len(rows), self.cost)
         self._consulted = {r: min(len(g), width - 1) for r, g in guesses.items()}
