@@ -341,6 +341,12 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_work(tiny_8k_
     assert disk and disk[0] >= 8, values
 
 
+def _held(base_url: str) -> float:
+    """Requests the server holds: queued or running."""
+    return sum(v for k, v in metrics(base_url).items()
+               if k.startswith(("kvserve_requests_waiting", "kvserve_requests_running")))
+
+
 def test_drain_timeout_aborts_what_is_left_with_a_finish_reason(tiny_8k_dir, tmp_path):
     # The running stream must outlast the 0.5 s drain whatever the machine's speed: 8,000 tokens.
     proc = ServerProcess(tiny_8k_dir, "--cache-dir", str(tmp_path), "--max-batch-size", "1",
@@ -348,7 +354,9 @@ def test_drain_timeout_aborts_what_is_left_with_a_finish_reason(tiny_8k_dir, tmp
     try:
         results, started, threads = start_streams(proc.base_url, 3, 8000)
         deadline = time.monotonic() + 60
-        while not any(e.is_set() for e in started) and time.monotonic() < deadline:
+        # SIGTERM once one runs and the server holds all three: a request still on its way
+        # when the drain begins is refused (503), which is another test's case.
+        while time.monotonic() < deadline and not (any(e.is_set() for e in started) and _held(proc.base_url) == 3):
             time.sleep(0.05)
         proc.proc.send_signal(signal.SIGTERM)
         for t in threads:
