@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -28,6 +29,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ring_ports(n: int) -> list[int]:
+    """``n`` consecutive free loopback ports below the kernel's ephemeral range, as the ring
+    backend's ranks bind them (``mlx.launch --starting-port P`` gives rank r port P + r).
+
+    Ports from ``bind(0)`` come from the ephemeral range, where any outgoing connection (the
+    tests' own HTTP clients) may take P + 1 before the rank binds it; below the range only an
+    explicit bind takes a port.
+
+    >>> ports = ring_ports(2); ports[1] - ports[0]
+    1
+    """
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(10000, low - n)
+        if all(_bindable(base + i) for i in range(n)):
+            return list(range(base, base + n))
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def make_tiny_llama(dst: Path, tokenizer_dir: Path, seed: int = 0, context: int = 512) -> Path:
@@ -153,12 +184,12 @@ class DistributedServer:
         self.logs = [open(tmp / f"kvserve-{self.port}-rank{r}.log", "w+") for r in range(1 if launcher else world)]
         if launcher:
             launch = Path(sys.executable).parent / "mlx.launch"
-            cmd = [str(launch), "-n", str(world), "--backend", "ring", "--starting-port", str(free_port()),
+            cmd = [str(launch), "-n", str(world), "--backend", "ring", "--starting-port", str(ring_ports(world)[0]),
                    "--", str(Path(sys.executable).parent / "kvserve"), *serve]
             self.ranks = [subprocess.Popen(cmd, stdout=self.logs[0], stderr=subprocess.STDOUT)]
             return
         hostfile = tmp / f"kvserve-{self.port}-hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(world)]))
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ring_ports(world)]))
         self.ranks = [subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", *serve], stdout=log,
                                        stderr=subprocess.STDOUT,
                                        env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)})
