@@ -42,8 +42,9 @@ def main(argv=None) -> int:
                 mx.eval(case.run(case.queries))
                 mx.eval(case.run(case.queries))
                 continue
-            r = bc.measure(case, repeats=7, calls=10)
-            print(f"{scheme} {blocks}x{warps}x{tiles}: {r['ms']:.3f} ms, {r['GB_s']:.0f} GB/s", flush=True)
+            r = bc.measure(case, repeats=7, calls=10, profile=True)
+            print(f"{scheme} {blocks}x{warps}x{tiles}: {r['ms']:.3f} ms, {r['GB_s']:.0f} GB/s; "
+                  f"kernels {r.get('kernel_ms', '-')} ms, {r.get('kernel_GB_s', '-')} GB/s", flush=True)
     return 0
 
 

@@ -76,9 +76,11 @@ def batch_cache(model, scheme: str, batch: int, context: int):
     return merged
 
 
-def engine_steps(model, scheme: str, batch: int, context: int, steps: int) -> tuple[list[float], float]:
+def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
+                 profile: bool = False) -> tuple[list[float], float]:
     """Seconds of the engine's first ``steps`` decode-only steps over all ``batch`` rows,
-    and the GiB its caches hold then."""
+    and the GiB its caches hold then; ``profile``: then prints ``device_split`` of a few
+    more steps."""
     import mlx.core as mx
     from kvserve.cache import parse_scheme
     from kvserve.cache.prefix import Namespace, PrefixCache
@@ -97,16 +99,26 @@ def engine_steps(model, scheme: str, batch: int, context: int, steps: int) -> tu
     config = EngineConfig()
     scheduler = Scheduler(batch, config.prefill_step_size, batch, max(config.max_step_tokens, batch))
     runner = ModelRunner(model, parse_scheme(scheme), prefix=prefix)
+    prefix = None  # the runner drops its reference once every prompt is in
     for r in requests:
         scheduler.add(r)
     times: list[float] = []
-    while len(times) < steps:
+
+    def step() -> None:
         plan = scheduler.schedule()
         t0 = time.perf_counter()
         scheduler.commit(runner.execute(plan))
         if not plan.prefill:  # every prompt is in: time the step, free the prefix cache
             times.append(time.perf_counter() - t0)
-            runner.prefix = prefix = None
+            runner.prefix = None
+
+    while len(times) < steps:
+        step()
+    if profile:
+        from kvserve.kernels.bench_cases import kernel_records
+
+        records = kernel_records(lambda: [step() for _ in range(PROFILED_STEPS)])
+        print(device_split(records, PROFILED_STEPS, "engine, steps decoded one ahead"), flush=True)
     kv = runner.kv_bytes / 2**30
     for r in requests:
         runner.release(r.request_id)
@@ -128,6 +140,29 @@ def time_steps(model, cache, batch: int, steps: int) -> list[float]:
     return times
 
 
+PROFILED_STEPS = 4
+
+
+def device_split(records: list, steps: int, loop: str, top: int = 6) -> str:
+    """Where the device's time in ``steps`` steps goes (``records``: ``kernel_records`` of
+    them): kernel-busy ms per step against the span from the first kernel to the last, and
+    the kernels that take most of it."""
+    from collections import defaultdict
+
+    if not records:
+        return "  (no kernel records: PyTorch with CUDA is needed to read them)"
+    by_name: dict[str, float] = defaultdict(float)
+    for name, start, end in records:
+        by_name[name] += (end - start) / steps
+    busy = sum(by_name.values())
+    span = (max(r[2] for r in records) - min(r[1] for r in records)) / steps
+    lines = [f"  {loop}: device busy {busy / 1e3:.2f} ms per step in {len(records) / steps:.0f} kernels, "
+             f"first to last kernel {span / 1e3:.2f} ms"]
+    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"    {us / 1e3:7.3f} ms  {name[:110]}")
+    return "\n".join(lines)
+
+
 def report(scheme: str, loop: str, times: list[float], batch: int, kv_gib: float) -> None:
     ms = 1e3 * statistics.median(times[len(times) // 4:])
     print(f"| {scheme} | {loop} | {ms:.2f} | {batch * 1e3 / ms:.1f} | {kv_gib:.2f} |", flush=True)
@@ -147,6 +182,8 @@ def parser(doc: str, schemes: str, steps: int) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser(__doc__, "fp16,affine4,turbo0v4", 24)
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--profile", action="store_true",
+                   help="after each loop, its kernels' device time per step (CUPTI, needs PyTorch)")
     args = p.parse_args(argv)
     import mlx.core as mx
 
@@ -156,12 +193,17 @@ def main(argv=None) -> int:
           f"llama 8B shape, {args.layers} layers, f16, batch {args.batch}, context {args.context}")
     print("| scheme | loop | step ms (median) | output tok/s | K/V GiB |\n|---|---|---|---|---|")
     for scheme in args.schemes.split(","):
-        times, kv = engine_steps(model, scheme, args.batch, args.context, args.steps)
+        times, kv = engine_steps(model, scheme, args.batch, args.context, args.steps, args.profile)
         report(scheme, "engine", times, args.batch, kv)
         cache = batch_cache(model, scheme, args.batch, args.context)
         times = time_steps(model, cache, args.batch, args.steps)
         # After decoding: turbo caches hold the raw prefill until their first decode step.
         report(scheme, "bare", times, args.batch, cache.nbytes / 2**30)
+        if args.profile:
+            from kvserve.kernels.bench_cases import kernel_records
+
+            records = kernel_records(lambda: time_steps(model, cache, args.batch, PROFILED_STEPS))
+            print(device_split(records, PROFILED_STEPS, "bare, steps evaluated one at a time"), flush=True)
         del cache
         mx.clear_cache()
     return 0

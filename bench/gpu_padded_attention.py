@@ -6,7 +6,8 @@ KV layer of ``--batch`` rows (32 query heads over 8 KV heads, D=128, f16) is fil
 kvserve's caches: rows of T - b tokens (row b, so the batch is padded) or of T tokens each
 (no padding), merged into a batch cache, plus one decoded token. Timed: the cache's own
 attention call (``attend``, with the mask the cache makes), chained as ``kvserve
-bench-attention`` times it (``bench_cases.measure``); for the padded fp16 batch also
+bench-attention`` times it (``bench_cases.measure``; "kernel ms": the kernels' own device time,
+where PyTorch can read it); for the padded fp16 batch also
 ``mx.fast.scaled_dot_product_attention`` given the same mask, which is what MLX runs for
 such a call by itself (unpadded, the fp16 cache's ``attend`` is that call).
 
@@ -82,11 +83,11 @@ def main(argv=None) -> int:
 
     print(f"device: {mx.device_info().get('device_name', mx.default_device())}, mlx {mx.__version__}; "
           f"B={args.batch}, 32 query heads over 8 KV heads, D=128, L=1, T={args.context}, f16")
-    print("| scheme, batch: path | ms per call (median) | K/V GB/s |\n|---|---|---|")
+    print("| scheme, batch: path | ms per call (median) | K/V GB/s | kernel ms |\n|---|---|---|---|")
     for scheme in args.schemes.split(","):
         for case in cases(scheme, args.batch, args.context):
-            r = measure(case, calls=10)
-            print(f"| {case.name} | {r['ms']:.3f} | {r['GB_s']:.0f} |", flush=True)
+            r = measure(case, calls=10, profile=True)
+            print(f"| {case.name} | {r['ms']:.3f} | {r['GB_s']:.0f} | {r.get('kernel_ms', '-')} |", flush=True)
         mx.clear_cache()
     return 0
 

@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated T values (default 1024,2048,4096; GPU {GPU_CONTEXTS})")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--profile", action="store_true",
+                   help="on a GPU, add the kernels' own device time (CUPTI through torch.profiler)")
     return p.parse_args(argv)
 
 
@@ -59,7 +61,8 @@ def plan(schemes=SCHEMES, device: str = "cpu") -> list[tuple[str, str]]:
     return rows + ([("fp16", "cpu")] if device == "cpu" else [])  # fp16 K/V through the kernel
 
 
-def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu") -> dict:
+def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu",
+            profile: bool = False) -> dict:
     import mlx.core as mx
     from kvserve.kernels import bench_cases as bc
 
@@ -70,11 +73,13 @@ def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu") 
 
     for T in contexts:
         shape = bc.Shape(batch, 32, 8, 128, T)
+        if device == "gpu" and (row := bc.torch_sdpa(shape, repeats, calls)):
+            results["runs"].append({"T": T, **row, "dispatch": ""})
         for scheme, impl in plan(schemes, device):
             if impl == "cpu" and not available():
                 continue
             case = bc.build_case(scheme, impl, shape)
-            row = bc.measure(case, repeats, calls=calls)
+            row = bc.measure(case, repeats, calls=calls, profile=profile)
             picked = "yes" if _picked(scheme, impl, T) else ""
             results["runs"].append({"T": T, **row, "dispatch": picked})
             mx.clear_cache()  # the next case's peak starts from what it allocates itself
@@ -118,10 +123,12 @@ def table(results: dict) -> str:
     """Markdown table of ``run_all``'s result."""
     cols = ("T", "name", "dispatch", "ms", "build_ms", "kv_MiB", "GB_s", "peak_MiB", "extra_MiB",
             "max_abs_diff")
+    cols += tuple(c for c in ("kernel_ms", "kernel_GB_s", "span_ms", "kernels")
+                  if any(c in r for r in results["runs"]))
     lines = [f"machine: {results['machine']}", f"copy bandwidth: {results['copy_GB_s']} GB/s", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results["runs"]:
-        lines.append("| " + " | ".join(_fmt(r[c]) for c in cols) + " |")
+        lines.append("| " + " | ".join(_fmt(r.get(c, "-")) for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     default = GPU_CONTEXTS if args.device == "gpu" else "1024,2048,4096"
     contexts = [int(t) for t in (args.contexts or default).split(",") if t]
-    results = run_all(contexts, args.batch, args.repeats, args.device)
+    results = run_all(contexts, args.batch, args.repeats, args.device, args.profile)
     print(json.dumps(results, indent=1) if args.json else table(results))
     return 0
 

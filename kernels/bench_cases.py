@@ -170,7 +170,8 @@ def build_case(scheme_name: str, impl: str, shape: Shape) -> Case:
     return _affine_case(scheme_name, shape, impl)
 
 
-def measure(case: Case, repeats: int = 5, warmup: int = 2, calls: int = 1) -> dict:
+def measure(case: Case, repeats: int = 5, warmup: int = 2, calls: int = 1,
+            profile: bool = False) -> dict:
     """Median time, K/V bytes read per ms -> GB/s, peak memory (all live arrays, K/V
     included) and the part of it the call itself added.
 
@@ -180,7 +181,8 @@ def measure(case: Case, repeats: int = 5, warmup: int = 2, calls: int = 1) -> di
     of a model step run (independent calls could overlap on the device, and one
     synchronisation per call would be part of every sub-millisecond figure). ``build_ms``
     is the Python time to build one call's graph, reported apart: in a model step it
-    overlaps the device's work on earlier layers."""
+    overlaps the device's work on earlier layers. ``profile``: the device's own times too
+    (``device_times``)."""
     mx.eval(case.inputs)
     for _ in range(warmup):
         mx.eval(case.run(case.queries))
@@ -196,6 +198,7 @@ def measure(case: Case, repeats: int = 5, warmup: int = 2, calls: int = 1) -> di
         builds.append((t1 - t0) / calls)
         del x
     ms = 1e3 * statistics.median(times)
+    device = device_times(case, calls) if profile else {}
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
@@ -204,7 +207,96 @@ def measure(case: Case, repeats: int = 5, warmup: int = 2, calls: int = 1) -> di
     return {"name": case.name, "ms": round(ms, 3), "build_ms": round(1e3 * statistics.median(builds), 3),
             "kv_MiB": round(case.kv_bytes / MiB, 2),
             "GB_s": round(case.kv_bytes / (ms * 1e6), 2), "peak_MiB": round(peak / MiB, 2),
-            "extra_MiB": round((peak - base) / MiB, 2), "max_abs_diff": case.check()}
+            "extra_MiB": round((peak - base) / MiB, 2), "max_abs_diff": case.check(), **device}
+
+
+def torch_sdpa(shape: Shape, repeats: int = 5, calls: int = 10) -> dict:
+    """PyTorch's fp16 ``scaled_dot_product_attention`` (``enable_gqa``) on the same shapes, timed
+    as ``measure`` times ours (a chain of ``calls`` calls, each output the next queries, over
+    the clock until the device is done): the reference the GPU table is read against. {}
+    without PyTorch or a CUDA device.
+    """
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(shape.B, h, t, shape.D, device="cuda", dtype=torch.float16, generator=gen)
+               for h, t in ((shape.Hq, 1), (shape.Hkv, shape.T), (shape.Hkv, shape.T)))
+
+    def chain():
+        x = q
+        for _ in range(calls):
+            x = F.scaled_dot_product_attention(x, k, v, enable_gqa=True)
+        torch.cuda.synchronize()
+
+    chain(), chain()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        chain()
+        times.append((time.perf_counter() - t0) / calls)
+    ms = 1e3 * statistics.median(times)
+    kv_bytes = k.nbytes + v.nbytes
+    row = {"name": f"torch {torch.__version__} fp16 sdpa (gqa)", "ms": round(ms, 3), "build_ms": "-",
+           "kv_MiB": round(kv_bytes / MiB, 2), "GB_s": round(kv_bytes / (ms * 1e6), 2), "peak_MiB": "-",
+           "extra_MiB": "-", "max_abs_diff": "-"}
+    row.update(_device_columns(kernel_records(chain), calls, kv_bytes))
+    del q, k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+def device_times(case: Case, calls: int) -> dict:
+    """What the device itself spent on one call, from ``kernel_records`` of ``calls`` chained
+    calls ({} where there are none):
+
+    - ``kernel_ms``: the summed durations of one call's kernels; ``kernel_GB_s``: K/V bytes
+      over that time, the kernels' own read rate;
+    - ``span_ms``: first kernel start to last kernel end, per call. What ``ms`` exceeds
+      ``kernel_ms`` by, the device spent waiting between kernels (MLX encoding and launching);
+    - ``kernels``: how many kernels one call ran.
+    """
+    def chain():
+        x = case.queries
+        for _ in range(calls):
+            x = case.run(x)
+        mx.eval(x)
+
+    return _device_columns(kernel_records(chain), calls, case.kv_bytes)
+
+
+def _device_columns(records: list, calls: int, kv_bytes: int) -> dict:
+    if not records:
+        return {}
+    busy_us = sum(end - start for _, start, end in records) / calls
+    span_us = (max(r[2] for r in records) - min(r[1] for r in records)) / calls
+    return {"kernel_ms": round(busy_us / 1e3, 4), "kernel_GB_s": round(kv_bytes / (busy_us * 1e3), 1),
+            "span_ms": round(span_us / 1e3, 4), "kernels": round(len(records) / calls, 2)}
+
+
+def kernel_records(run: Callable[[], None]) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of each kernel the device ran during ``run()``, from CUPTI's
+    activity records through ``torch.profiler``: CUPTI records every kernel of the process,
+    MLX's included. [] without PyTorch or a CUDA device.
+
+        records = kernel_records(lambda: mx.eval(model(tokens, cache=cache)))
+    """
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        mx.synchronize()
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
 
 
 def copy_bandwidth(n_bytes: int = 256 * MiB, repeats: int = 5, calls: int = 1) -> float:

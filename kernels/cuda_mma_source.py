@@ -205,7 +205,7 @@ WALK = r"""
   if (packed == __PK__) {  // generated twice: packed rows, then run-time strides
     constexpr bool PK = __PK__;
 __STRIDES__
-  auto load = [&](int st, bool E, KRun (&kr)[TM][2], VRun (&vr)[TM][4]) {
+  auto load = [&](int st, bool E, KRun (&kr)[TM][2], VRun (&vr)[TM][4], Side& sd) {
     const int t0 = st * STEP;
 #pragma unroll
     for (int mt = 0; mt < TM; ++mt) {
@@ -213,6 +213,7 @@ __STRIDES__
       for (int hi = 0; hi < 2; ++hi) {
         const int t = E ? min(t0 + 16 * mt + g + 8 * hi, T - 1) : t0 + 16 * mt + g + 8 * hi;
 __K_LOAD__
+__SIDE_LOAD__
       }
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -222,9 +223,8 @@ __V_LOAD__
       }
     }
   };
-  auto compute = [&](int st, bool E, const KRun (&kr)[TM][2], const VRun (&vr)[TM][4]) {
+  auto compute = [&](int st, bool E, const KRun (&kr)[TM][2], const VRun (&vr)[TM][4], const Side& sd) {
     const int t0 = st * STEP;
-__V_NORMS__
     float s[TM][NR][4];
 #pragma unroll
     for (int mt = 0; mt < TM; ++mt) {  // scores of tokens t0 + 16 mt + (g, g + 8)
@@ -250,7 +250,8 @@ __K_DECODE__
         for (int e = 0; e < 4; ++e) {
           const int t = t0 + 16 * mt + g + 8 * (e >> 1), row = row0 + 8 * nr + 2 * c + (e & 1);
           float sv = s[mt][nr][e] * scale;
-          if (MASK != 0 && row < ROWS && (!E || t < T)) {
+          if (MASK == 4) sv += sd.bias[mt][e >> 1];  // one bit per token, any row
+          if (MASK != 0 && MASK != 4 && row < ROWS && (!E || t < T)) {
             const int l = row % L;
 __MASK__
           }
@@ -333,20 +334,21 @@ __V_DECODE__
   };
   constexpr bool full = false, edge = true;
   KRun ka[TM][2], kb[TM][2];
+  Side sa, sb;
   VRun va[TM][4], vb[TM][4];
   const int f_end = min(s_end, n_full);
   int st = s_begin + warp;
-  if (st < f_end) load(st, full, ka, va);
+  if (st < f_end) load(st, full, ka, va, sa);
   for (; st < f_end; st += 2 * NWP) {  // two steps per trip: the buffers alternate
-    if (st + NWP < f_end) load(st + NWP, full, kb, vb);
-    compute(st, full, ka, va);
+    if (st + NWP < f_end) load(st + NWP, full, kb, vb, sb);
+    compute(st, full, ka, va, sa);
     if (st + NWP >= f_end) break;
-    if (st + 2 * NWP < f_end) load(st + 2 * NWP, full, ka, va);
-    compute(st + NWP, full, kb, vb);
+    if (st + 2 * NWP < f_end) load(st + 2 * NWP, full, ka, va, sa);
+    compute(st + NWP, full, kb, vb, sb);
   }
   if (s_end > n_full && warp == (n_full - s_begin) % NWP) {  // the last, partial step
-    load(n_full, edge, ka, va);
-    compute(n_full, edge, ka, va);
+    load(n_full, edge, ka, va, sa);
+    compute(n_full, edge, ka, va, sa);
   }
   }
 
@@ -372,7 +374,6 @@ __PAIR_MAPS__
   const int s_begin = split * per, s_end = min(n_steps, s_begin + per);
   const float scale = sc[0];
 __LUT_LOAD__
-  for (int i = threadIdx.x; i < 8 * NR * D; i += NWP * 32) o_s[i] = 0.f;
 
   // Queries as the B operand of the scores: row 8 nr + g, the d's of this lane's key chunk.
   uint32_t qf[NR][D / 16][2];
@@ -416,6 +417,11 @@ __V_BASE__
   const int n_full = T / STEP;
   using KRun = __K_RUN__;
   using VRun = __V_RUN__;
+  // Per token of a step, what the scores need besides its keys, read with the step's K/V
+  // (one step ahead of use, not at use, where each load's latency stalled the warp): the
+  // value norms of turbo values; the mask bit of a padded batch (mask kind 4).
+  struct Side { float norm[TM][2]; float bias[TM][2]; };
+__MASK_ROW__
 __WALK__
   // Merge the warps: each lane's rows 8 nr + 2c + i; sums over g first.
 #pragma unroll
@@ -429,26 +435,40 @@ __WALK__
       if (g == 0) { m_w[warp][8 * nr + 2 * c + i] = m_r[nr][i]; l_w[warp][8 * nr + 2 * c + i] = l; }
     }
   __syncthreads();
+  // Then the warps' accumulators, one warp after another into o_s with plain stores (warp 0)
+  // and adds (the others). Element (r, d = g VN + x) of the block's rows lives at
+  // r D + g VN + (x ^ swz(g, c)): the 32 lanes of one store then hit 32 banks. Unswizzled,
+  // 16 lanes shared a bank; with float atomicAdd (a compare-and-swap loop on shared memory)
+  // each add took 16 trips, ~3,000 instructions per warp: a fixed ~40 us per launch.
+  constexpr int GB = 32 / VN;  // g's whose VN-wide runs start in the same bank: swz separates them
+#pragma unroll 1
+  for (int w = 0; w < NWP; ++w) {
+    if (warp == w) {
 #pragma unroll
-  for (int nr = 0; nr < NR; ++nr)
+      for (int nr = 0; nr < NR; ++nr)
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = 8 * nr + 2 * c + i;
-      float M = -INFINITY;
+        for (int i = 0; i < 2; ++i) {
+          const int r = 8 * nr + 2 * c + i;
+          float M = -INFINITY;
 #pragma unroll
-      for (int w = 0; w < NWP; ++w) M = fmaxf(M, m_w[w][r]);
-      const float f = __expf(m_r[nr][i] - (M == -INFINITY ? 0.f : M));
+          for (int v = 0; v < NWP; ++v) M = fmaxf(M, m_w[v][r]);
+          const float f = __expf(m_r[nr][i] - (M == -INFINITY ? 0.f : M));
+          float* os = o_s + r * D + g * VN;
+          const int swz = (g / GB) * 4 + c;
 #pragma unroll
-      for (int dm = 0; dm < D / 16; ++dm) {
-        atomicAdd(&o_s[r * D + g * VN + VX(dm)], f * o[dm][nr][i]);
-        atomicAdd(&o_s[r * D + g * VN + VY(dm)], f * o[dm][nr][2 + i]);
-      }
+          for (int dm = 0; dm < D / 16; ++dm) {
+            const float ox = f * o[dm][nr][i], oy = f * o[dm][nr][2 + i];
+            if (w == 0) { os[VX(dm) ^ swz] = ox; os[VY(dm) ^ swz] = oy; }
+            else { os[VX(dm) ^ swz] += ox; os[VY(dm) ^ swz] += oy; }
+          }
+        }
     }
-  __syncthreads();
+    __syncthreads();
+  }
   const int64_t out_row = ((int64_t)split * gridDim.z + bh) * ROWS;
   for (int i = threadIdx.x; i < 8 * NR * D; i += NWP * 32) {
-    const int row = row0 + i / D;
-    if (row < ROWS) o_part[(out_row + row) * D + i % D] = o_s[i];
+    const int r = i / D, d = i % D, gd = d / VN, row = row0 + r, swz = (gd / GB) * 4 + ((r >> 1) & 3);
+    if (row < ROWS) o_part[(out_row + row) * D + d] = o_s[r * D + gd * VN + ((d % VN) ^ swz)];
   }
   if (threadIdx.x < 8 * NR && row0 + threadIdx.x < ROWS) {
     const int r = threadIdx.x;
@@ -463,7 +483,11 @@ __WALK__
 
 
 def _mask(kind: int) -> str:
-    """The f32 split pass's masking of ``s[r]``, as masking of ``sv`` here."""
+    """The f32 split pass's masking of ``s[r]``, as masking of ``sv`` here (kind 4 is applied
+    before, from the bit ``load`` fetched with the step's keys: score e of a lane is token
+    g + 8 (e >> 1))."""
+    if kind == 4:
+        return ""
     return MASK_CODE[kind].replace("s[r]", "sv")
 
 
@@ -544,17 +568,18 @@ def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: 
     lut = ""
     if value_layout.kind == "turbo":
         lut = f"  if (threadIdx.x < {1 << value_layout.bits}) vlut[threadIdx.x] = vlut_in[threadIdx.x];"
-        norms = ("    float na[TM], nb[TM];  // value norms of tokens t0 + 16 mt + (g, g + 8)\n"
-                 "#pragma unroll\n    for (int mt = 0; mt < TM; ++mt) {\n"
-                 "      const int ta = t0 + 16 * mt + g, tb = ta + 8;\n"
-                 "      na[mt] = v1b[(E ? min(ta, T - 1) : ta) * v1s];\n"
-                 "      nb[mt] = v1b[(E ? min(tb, T - 1) : tb) * v1s]; }")
+        side = "        sd.norm[mt][hi] = v1b[t * v1s];"
         scale = ("#pragma unroll\n      for (int nr = 0; nr < NR; ++nr) {\n"
-                 "        s[mt][nr][0] *= na[mt]; s[mt][nr][1] *= na[mt];\n"
-                 "        s[mt][nr][2] *= nb[mt]; s[mt][nr][3] *= nb[mt]; }")
+                 "        s[mt][nr][0] *= sd.norm[mt][0]; s[mt][nr][1] *= sd.norm[mt][0];\n"
+                 "        s[mt][nr][2] *= sd.norm[mt][1]; s[mt][nr][3] *= sd.norm[mt][1]; }")
     else:
-        norms = scale = ""
-    body = body.replace("__LUT_LOAD__", lut).replace("__P_SCALE__", scale).replace("__V_NORMS__", norms)
+        side = scale = ""
+    if mask == 4:
+        side += "\n        sd.bias[mt][hi] = mrow[t * mts] ? 0.f : MASKED;"
+    row = ("  const bool* mrow = mask + (mask_shape[0] == 1 ? 0 : b) * mask_strides[0];\n"
+           "  const int64_t mts = mask_strides[3];") if mask == 4 else ""
+    body = body.replace("__MASK_ROW__", row)
+    body = body.replace("__LUT_LOAD__", lut).replace("__P_SCALE__", scale).replace("__SIDE_LOAD__", side)
     body = body.replace("__K_BASE__", component_code(key_layout, "k")["K_BASE"])
     body = body.replace("__V_BASE__", component_code(value_layout, "v")["V_BASE"])
     for role, layout, fast in (("k", key_layout, kfast), ("v", value_layout, vfast)):

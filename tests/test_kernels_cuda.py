@@ -139,7 +139,21 @@ def test_doctests(module):
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 2e-4), (mx.float16, 4e-3)])  # f32 / tensor-core pass
 @pytest.mark.parametrize("sinks", [None, (-2.0, 0.0, 1.0, 3.0, 0.5, 6.0, -1.0, 2.0)])  # gpt-oss
 def test_kernel_matches_the_reference_on_gpu(name, L, dtype, tol, sinks):
-    D, T, B, Hkv, R = 128, 300, 2, 2, 4
+    _check_against_the_reference(name, L, dtype, tol, sinks, D=128)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["affine4", "turbo8v3"])
+@pytest.mark.parametrize("L", [1, 4])
+@pytest.mark.parametrize("D", [64, 256])
+def test_kernel_matches_the_reference_at_other_head_dims(name, L, D):
+    """The tensor-core pass merges its warps through shared memory in a layout that depends on
+    D (a swizzle over D / 8-wide runs): D = 64 and 256 as well as 128."""
+    _check_against_the_reference(name, L, mx.float16, 4e-3, None, D)
+
+
+def _check_against_the_reference(name, L, dtype, tol, sinks, D):
+    T, B, Hkv, R = 300, 2, 2, 4
     kf, kp, vf, vp = _formats(name, D, T, B, Hkv)
     q = mx.random.normal((B, Hkv * R, L, D), key=mx.random.key(5)).astype(dtype)
     sinks = None if sinks is None else mx.array(sinks)
