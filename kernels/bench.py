@@ -1,6 +1,6 @@
 """``kvserve bench-attention``: decode attention over fp16 and compressed K/V, one run.
 
-    kvserve bench-attention [--device cpu|gpu] [--json] [--contexts 1024,2048,4096]
+    kvserve bench-attention [--device cpu|gpu] [--json] [--contexts 1024,2048,4096] [--profile]
 
 For each context T: fp16 ``mx.fast.scaled_dot_product_attention``, mlx-lm's unfused
 quantized path on 4-bit K/V, and ours for affine4, mxfp4, turbo0v4 and turbo8v3 (on a
@@ -12,7 +12,9 @@ that T); on an NVIDIA GPU, the CUDA kernels of
 K/V MiB read, effective GB/s (K/V bytes / time), peak MiB of all live arrays (K/V
 included) and the MiB the call added on top, max |ours - family's full-context
 reference| (computed on the CPU stream, up to T=8192). The machine's copy bandwidth
-(``x + 0`` over 256 MiB) is the ceiling for GB/s.
+(``x + 0`` over 256 MiB) is the ceiling for GB/s. On a GPU with PyTorch installed, PyTorch's
+fp16 SDPA is measured first as the reference; ``--profile`` adds the kernels' own device time
+per call (``kernel_ms``, ``kernel_GB_s``, ``span_ms``, ``kernels``: ``bench_cases.device_times``).
 """
 
 from __future__ import annotations

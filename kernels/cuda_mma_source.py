@@ -171,6 +171,45 @@ struct AffineRun {  // scales and biases in AT; pairs as ``Magic`` says
   }
 };
 
+template <typename AT, int N, int VEC>
+struct MxRun {  // mxfp4: e2m1 codes, 8 per word, and one e8m0 exponent per 32 elements
+  static constexpr int NWD = N / 8, NGR = N > 32 ? N / 32 : 1;  // a run never straddles a group
+  uint32_t u[NWD];
+  uint8_t e[NGR];
+  __device__ __forceinline__ void load(const uint32_t* w, const uint8_t* sc, int e0) {
+    kvs::load_words<NWD, VEC>(w + e0 / 8, u);
+#pragma unroll
+    for (int i = 0; i < NGR; ++i) e[i] = sc[e0 / 32 + i];
+  }
+  __device__ __forceinline__ void decode(uint32_t* out, const float*) const {
+    if constexpr (Magic<AT>::HI_NIBBLE) {  // f16: a byte permute per pair, then one multiply
+#pragma unroll
+      for (int m = 0; m < NWD; ++m) {
+        // The scale as an f16 power of two (exact from 2^-24 to 2^15; a block of f16 values
+        // never needs more; clamped so that a corrupt exponent gives inf, not inf * 0).
+        const uint32_t s2 = Magic<AT>::splat(__float2half_rn(
+            __uint_as_float(min(uint32_t(e[(8 * m) / 32]), 142u) << 23)));
+        const uint32_t mag = u[m] & 0x77777777u, sgn = u[m] & 0x88888888u;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {  // codes 2p, 2p + 1: magnitudes pick an f16's high byte
+          const uint32_t mp = mag >> (8 * p), sp = sgn >> (8 * p);
+          const uint32_t h = __byte_perm(0x3E3C3800u, 0x46444240u, ((mp << 4) & 0x70u) | ((mp << 8) & 0x7000u))
+                             | ((sp << 12) & 0x8000u) | ((sp << 24) & 0x80000000u);
+          __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&h), *reinterpret_cast<const __half2*>(&s2));
+          out[4 * m + p] = *reinterpret_cast<uint32_t*>(&x);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        const float s = kvs::e8m0_scaled(e[(2 * i) / 32]);
+        out[i] = Act<AT>::pack(s * kvs::e2m1_scaled(kvs::field<4>(u, 2 * i)),
+                               s * kvs::e2m1_scaled(kvs::field<4>(u, 2 * i + 1)));
+      }
+    }
+  }
+};
+
 // BITS-wide centroid indices from element e0 (any bit offset): the words are loaded (the
 // last clamped to the row), shifted so the run starts at bit 0, then read at constant
 // offsets through the lookup table.
@@ -508,14 +547,12 @@ def pair_map(layout, fast: bool) -> tuple[str, str]:
 
 
 def _decode(layout, role: str, out: str, n: str, first: str) -> str:
-    """Decode ``n`` elements from element ``first`` of token t's row straight from memory
-    (the formats without a ``run``) into pairs ``out[e]`` = (elements 2e, 2e + 1)."""
+    """Decode ``n`` affine elements (scales not in the queries' dtype) from element
+    ``first`` of token t's row straight from memory, through f32, into pairs ``out[e]`` = (elements 2e, 2e + 1)."""
     U = role.upper()
     rows = ", ".join(f"{role}{i}b + t * {role}{i}s" for i in range(layout.n_parts))
     EC, V = f"{U}EC", f"{U}VEC"
-    call = (f"kvs::affine_chunk<{U}BITS, {U}GS, {EC}, {V}>({rows}, ({first}) / {EC} + p, x + p * {EC});"
-            if layout.kind == "affine" else
-            f"kvs::mx4_chunk<{EC}, {V}>({rows}, ({first}) / {EC} + p, x + p * {EC});")
+    call = f"kvs::affine_chunk<{U}BITS, {U}GS, {EC}, {V}>({rows}, ({first}) / {EC} + p, x + p * {EC});"
     return (f"        float x[{n}];\n"
             f"#pragma unroll\n        for (int p = 0; p < ({n}) / {EC}; ++p) {{ {call} }}\n"
             f"#pragma unroll\n        for (int e = 0; e < ({n}) / 2; ++e) {out}[e] = A::pack(x[2 * e], x[2 * e + 1]);")
@@ -523,8 +560,8 @@ def _decode(layout, role: str, out: str, n: str, first: str) -> str:
 
 def run(layout, role: str, fast: bool) -> dict[str, str]:
     """The run type of one component and its load / decode statements (token t, buffer
-    slot ``R``), or direct decoding for formats without a two-stage run (mxfp4, affine
-    through f32).
+    slot ``R``), or direct decoding for affine codes whose scales are not in the queries'
+    dtype (through f32, ``_decode``).
 
         >>> from kvserve.kernels.cuda_layout import Layout
         >>> run(Layout("turbo", 4, 0, 2, 16), "v", False)["type"]
@@ -538,6 +575,8 @@ def run(layout, role: str, fast: bool) -> dict[str, str]:
         kind = f"kvt::RawRun<ACT, {n}>"
     elif layout.kind == "turbo":
         kind, rows = f"kvt::LutRun<ACT, {U}BITS, {n}, {U}WORDS>", f"{role}0b + t * {role}0s"
+    elif layout.kind == "mx":
+        kind = f"kvt::MxRun<ACT, {n}, {U}VEC>"
     elif fast:
         kind = f"kvt::AffineRun<ACT, {U}BITS, {U}GS, {n}, {U}VEC>"
     else:
