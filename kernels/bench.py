@@ -12,7 +12,7 @@ that T); on an NVIDIA GPU, the CUDA kernels of
 K/V MiB read, effective GB/s (K/V bytes / time), peak MiB of all live arrays (K/V
 included) and the MiB the call added on top, max |ours - family's full-context
 reference| (computed on the CPU stream, up to T=8192). The machine's copy bandwidth
-(``x + 0`` over 256 MiB) is the ceiling for GB/s. On a GPU with PyTorch installed, PyTorch's
+(``x + 1`` over 256 MiB) is the ceiling for GB/s. On a GPU with PyTorch installed, PyTorch's
 fp16 SDPA is measured first as the reference; ``--profile`` adds the kernels' own device time
 per call (``kernel_ms``, ``kernel_GB_s``, ``span_ms``, ``kernels``: ``bench_cases.device_times``).
 """
