@@ -41,7 +41,8 @@ from kvserve.kernels.cuda_source import (
     split_source,
 )
 from kvserve.kernels.cuda_layout import Layout, kernel_name, layout_of, mask4, mask_kind, part_widths
-from kvserve.kernels.cuda_mma_source import MMA_HEADER, mma_source
+from kvserve.kernels.cuda_mma_header import MMA_HEADER
+from kvserve.kernels.cuda_mma_source import mma_source
 from kvserve.kernels.reference import attend_blockwise, format_key
 
 HEAD_DIMS = (64, 128, 256)
