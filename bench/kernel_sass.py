@@ -16,7 +16,8 @@ Tools (PyPI wheels, no GPU needed), unpacked into one directory:
     python bench/kernel_sass.py affine4 --tools T/x/nvidia [--bf16] [--mask padded] [--out DIR]
 
 ``--mask`` gives the call a left-padded batch's mask (rows padded by 0..7 slots): ``padded``
-as the caches make it, (B, 1, 1, T), one value per token; ``per-head`` the same values
+(B, 1, 1, T), one value per token (mask kind 4); ``starts`` the same mask known by each
+row's first slot, as a batch cache's decode mask is (kind 5); ``per-head`` the same values
 broadcast to (B, H_q, 1, T), read through the generic array index.
 """
 
@@ -117,8 +118,11 @@ def capture(scheme: str, bf16: bool, mask: str = "none") -> list[tuple]:
 
     T = 1024
     padding = causal_mask(1, T - 1, mx.arange(8))  # (8, 1, 1, T)
-    the_mask = {"none": None, "padded": padding,
+    the_mask = {"none": None, "padded": padding, "starts": padding,
                 "per-head": mx.broadcast_to(padding, (8, 32, 1, T))}[mask]
+    if mask == "starts":  # the same mask, known by its rows' first slots (mask kind 5)
+        from kvserve.kernels.cuda_layout import note_left_padding
+        note_left_padding(padding, list(range(8)))
     path = bc._path
     bc._path = lambda name: (lambda *a: path(name)(*a[:6], the_mask))
 
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--tools", default=os.environ.get("KVSERVE_CUDA_TOOLS", ""),
                    help="the unpacked wheels' nvidia/ directory (see above)")
     p.add_argument("--bf16", action="store_true", help="bf16 queries and K/V instead of f16")
-    p.add_argument("--mask", choices=("none", "padded", "per-head"), default="none")
+    p.add_argument("--mask", choices=("none", "padded", "starts", "per-head"), default="none")
     p.add_argument("--out", default="", help="also keep k.cu, k.ptx, k.cubin, k.sass here")
     args = p.parse_args(argv)
     out = args.out or os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvserve-sass")

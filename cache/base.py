@@ -248,7 +248,12 @@ class BatchStoredKVCache(_Buffered):
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if not any(self.left_padding):
             return mask_for_queries(N, self.size(), return_array, window_size)
-        return causal_mask(N, self.size(), mx.array(self.left_padding), window_size)  # (B, 1, N, S)
+        mask = causal_mask(N, self.size(), mx.array(self.left_padding), window_size)  # (B, 1, N, S)
+        if N == 1 and window_size is None:  # hides exactly each row's padding: the GPU kernels
+            from kvserve.kernels.cuda_layout import note_left_padding  # read from each row's start
+
+            note_left_padding(mask, self.left_padding)
+        return mask
 
     def dequantize(self) -> tuple[mx.array, mx.array]:
         """Stored keys and values as f32 (B, H_kv, T, D), padding included; for tests."""

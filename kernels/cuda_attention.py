@@ -40,7 +40,16 @@ from kvserve.kernels.cuda_source import (
     TT,
     split_source,
 )
-from kvserve.kernels.cuda_layout import Layout, kernel_name, layout_of, mask4, mask_kind, part_widths
+from kvserve.kernels.cuda_layout import (
+    ROW_STARTS,
+    Layout,
+    kernel_name,
+    layout_of,
+    mask4,
+    mask_kind,
+    part_widths,
+    row_starts,
+)
 from kvserve.kernels.cuda_mma_header import MMA_HEADER
 from kvserve.kernels.cuda_mma_source import mma_source
 from kvserve.kernels.reference import attend_blockwise, format_key
@@ -265,6 +274,9 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
                                 sinks=sinks)
     kl, vl, kind = fam.kl, fam.vl, fam.mask_kind
     mask_in = [mask4(mask)] if kind >= 2 else []
+    if kind == 4 and fam.mma is not None and (starts := row_starts(mask, queries.shape[0])) is not None:
+        fam, kind, mask_in = _family_plan(queries, key_fmt, keys, value_fmt, values, ROW_STARTS,
+                                          key_scale), 5, [starts]
     if fam.mma is not None:
         o_part, ml_part = _mma_pass(queries, fam, keys, values, scale, mask_in, value_fmt)
     else:
@@ -351,7 +363,7 @@ def _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask) -> FamilyP
     consts += [(f"{role.upper()}{i}W", w) for role, layout in (("k", kl), ("v", vl))
                for i, w in enumerate(part_widths(layout, D))]
     inputs = [q_dtype, F32, *(a.dtype for a in keys), *(a.dtype for a in values)]
-    inputs += ([mask.dtype] if kind >= 2 else []) + [F32] * (vl.kind == "turbo")
+    inputs += ([mx.int32] if kind == 5 else [mask.dtype] if kind >= 2 else []) + [F32] * (vl.kind == "turbo")
     consts += [(f"DT{i}", dt) for i, dt in enumerate(inputs)]
     return FamilyPlan(kl, vl, kind, _mma_kernel(kl, vl, kind, kfast, vfast, tuple(consts)))
 

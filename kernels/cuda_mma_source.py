@@ -87,11 +87,11 @@ __K_DECODE__
           const int t = t0 + 16 * mt + g + 8 * (e >> 1), row = row0 + 8 * nr + 2 * c + (e & 1);
           float sv = s[mt][nr][e] * scale;
           if (MASK == 4) sv += sd.bias[mt][e >> 1];  // one bit per token, any row
-          if (MASK != 0 && MASK != 4 && row < ROWS && (!E || t < T)) {
+          if (MASK != 0 && MASK < 4 && row < ROWS && (!E || t < T)) {
             const int l = row % L;
 __MASK__
           }
-          s[mt][nr][e] = !E || t < T ? sv : -INFINITY;
+          s[mt][nr][e] = !E || (t < T && (MASK != 5 || t >= start)) ? sv : -INFINITY;
         }
     }
     // Online softmax: lanes of one c hold the same two rows; reduce over g. The running
@@ -172,8 +172,11 @@ __V_DECODE__
   KRun ka[TM][2], kb[TM][2];
   Side sa, sb;
   VRun va[TM][4], vb[TM][4];
+  // Mask kind 5 (row starts): steps wholly before this row's first slot are skipped, unread;
+  // the one holding it is an edge step, whose slots before it score -inf.
+  const int f_begin = MASK == 5 ? max(s_begin, (start + STEP - 1) / STEP) : s_begin;
   const int f_end = min(s_end, n_full);
-  int st = s_begin + warp;
+  int st = f_begin + warp;
   if (st < f_end) load(st, full, ka, va, sa);
   for (; st < f_end; st += 2 * NWP) {  // two steps per trip: the buffers alternate
     if (st + NWP < f_end) load(st + NWP, full, kb, vb, sb);
@@ -185,6 +188,12 @@ __V_DECODE__
   if (s_end > n_full && warp == (n_full - s_begin) % NWP) {  // the last, partial step
     load(n_full, edge, ka, va, sa);
     compute(n_full, edge, ka, va, sa);
+  }
+  const int ps = start / STEP;  // the step holding start, unless it is the last, partial one
+  if (MASK == 5 && start % STEP != 0 && ps >= s_begin && ps < s_end && ps < n_full
+      && warp == (ps - s_begin) % NWP) {
+    load(ps, edge, ka, va, sa);
+    compute(ps, edge, ka, va, sa);
   }
   }
 
@@ -319,10 +328,10 @@ __WALK__
 
 
 def _mask(kind: int) -> str:
-    """The f32 split pass's masking of ``s[r]``, as masking of ``sv`` here (kind 4 is applied
-    before, from the bit ``load`` fetched with the step's keys: score e of a lane is token
-    g + 8 (e >> 1))."""
-    if kind == 4:
+    """The f32 split pass's masking of ``s[r]``, as masking of ``sv`` here. Kind 4 is applied
+    before, from the bit ``load`` fetched with the step's keys (score e of a lane is token
+    g + 8 (e >> 1)); kind 5 by the walk, which starts at each row's first slot."""
+    if kind >= 4:
         return ""
     return MASK_CODE[kind].replace("s[r]", "sv")
 
@@ -412,8 +421,10 @@ def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: 
         side = scale = ""
     if mask == 4:
         side += "\n        sd.bias[mt][hi] = mrow[t * mts] ? 0.f : MASKED;"
-    row = ("  const bool* mrow = mask + (mask_shape[0] == 1 ? 0 : b) * mask_strides[0];\n"
-           "  const int64_t mts = mask_strides[3];") if mask == 4 else ""
+    row = {4: "  const bool* mrow = mask + (mask_shape[0] == 1 ? 0 : b) * mask_strides[0];\n"
+              "  const int64_t mts = mask_strides[3];\n  constexpr int start = 0;",
+           5: "  const int start = min(mask[b], T - 1);  // this row's first slot: at least one is read"
+           }.get(mask, "  constexpr int start = 0;")
     body = body.replace("__MASK_ROW__", row)
     body = body.replace("__LUT_LOAD__", lut).replace("__P_SCALE__", scale).replace("__SIDE_LOAD__", side)
     body = body.replace("__K_BASE__", component_code(key_layout, "k")["K_BASE"])

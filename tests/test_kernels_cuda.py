@@ -76,6 +76,27 @@ def test_mask_kinds():
         ca.mask_kind("sliding", 4)
 
 
+def test_a_padded_batchs_decode_mask_is_known_by_its_row_starts():
+    """A left-padded batch cache's decode mask hides exactly each row's padding, so the
+    tensor-core pass takes the rows' first slots instead (mask kind 5); a prefill mask, an
+    unpadded batch's and a copy of the mask are not known."""
+    from kvserve.cache import PromptCache, make_layer_cache
+    from kvserve.kernels.cuda_layout import row_starts
+
+    rows = []
+    for n in (5, 3, 1):
+        layer = make_layer_cache("affine4")
+        layer.update_and_fetch(*mx.zeros((2, 1, 2, n, 64), mx.float16))
+        rows.append(PromptCache([layer], "affine4"))
+    batch = PromptCache.merge(rows)[0]
+    mask = batch.make_mask(1)
+    assert ca.mask_kind(mask, 1) == 4 and row_starts(mask, 3).tolist() == [0, 2, 4]
+    assert mask[:, 0, 0].tolist() == [[s <= t for t in range(6)] for s in (0, 2, 4)]
+    assert row_starts(batch.make_mask(2), 3) is None and row_starts(mx.array(mask), 3) is None
+    assert row_starts(mask, 2) is None  # another batch size
+    assert ca.mask_kind(ca.ROW_STARTS, 1) == 5
+
+
 @pytest.mark.parametrize("name", ["affine4", "mxfp4", "turbo0v4", "turbo8v3", "turbo2"])
 @pytest.mark.parametrize("mask", [0, 1, 2, 3])
 def test_generated_source_is_complete(name, mask):
@@ -150,6 +171,31 @@ def test_kernel_matches_the_reference_at_other_head_dims(name, L, D):
     """The tensor-core pass merges its warps through shared memory in a layout that depends on
     D (a swizzle over D / 8-wide runs): D = 64 and 256 as well as 128."""
     _check_against_the_reference(name, L, mx.float16, 4e-3, None, D)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["affine4", "mxfp4", "turbo0v4", "turbo8v3"])
+def test_row_starts_equal_the_padded_mask_on_gpu(name):
+    """Kind 5 against the reference over the same mask as an array: rows whose first slot is
+    0, inside a step (5), past whole steps (17, 33) and inside the last, partial step (290 of
+    300: 300 = 18 steps of 16 and 12)."""
+    from kvserve.kernels.cuda_layout import note_left_padding, row_starts
+
+    D, T, Hkv, R, starts = 128, 300, 2, 4, [0, 5, 17, 33, 290]
+    B = len(starts)
+    kf, kp, vf, vp = _formats(name, D, T, B, Hkv)
+    q = mx.random.normal((B, Hkv * R, 1, D), key=mx.random.key(5)).astype(mx.float16)
+    mask = mx.arange(T)[None, None, None, :] >= mx.array(starts)[:, None, None, None]
+    note_left_padding(mask, starts)
+    assert row_starts(mask, B) is not None
+    with mx.stream(mx.gpu):
+        got = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, mask)
+        plain = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, mx.array(mask))  # kind 4
+        mx.eval(got, plain)
+    with mx.stream(mx.cpu):
+        want = attend_full(q.astype(mx.float32), kf, kp, vf, vp, D ** -0.5, mask)
+        assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() <= 4e-3
+        assert mx.max(mx.abs(plain.astype(mx.float32) - want)).item() <= 4e-3
 
 
 def _check_against_the_reference(name, L, dtype, tol, sinks, D):

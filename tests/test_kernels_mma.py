@@ -61,7 +61,7 @@ def test_mma_plan_covers_the_context_and_the_rows_once(bh, rows, T, D):
 
 @pytest.mark.parametrize("name", ["affine4", "affine8-g32", "mxfp4", "turbo0v4", "turbo8v3",
                                   "turbo0v2", "affine4-g128"])
-@pytest.mark.parametrize("mask", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("mask", [0, 1, 2, 3, 4, 5])
 def test_generated_source_is_complete(name, mask):
     _, kp, _, vp, kl, vl = _parts(name)
     kfast, vfast = ca.fast_affine(kl, kp, mx.float16), ca.fast_affine(vl, vp, mx.float16)
