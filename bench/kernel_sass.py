@@ -170,7 +170,7 @@ def main(argv=None) -> int:
                               check=True).stdout
         open(f"{out}/k.sass", "w").write(sass)
         print(f"{name}: {regs[0] if regs else '?'} registers, spills (stores, loads) {spills}")
-        for n, ops in loops(sass, 4):
+        for n, ops in loops(sass):
             print(f"  loop of {n} instructions: " + " ".join(f"{k}:{v}" for k, v in ops.most_common(30)))
     return 0
 

@@ -5,13 +5,11 @@
 affine-8 or turbo keys; turbo values) at head_dim 64, 128 or 256. Anything else (other
 formats, L > 16, other head dims) goes to the blockwise reference.
 
-One call = one or two kernels:
+One call = two kernels:
 
     split pass   (row tiles, S splits, B * H_kv) blocks, each over ~T / S tokens, writes
                  o_part (S, B*H_kv, R*L, D) f32 and ml_part (S, B*H_kv, R*L, 2) f32 (max, sum)
-    merge        out (B, H_q, L, D): the splits' partial softmaxes combined; in the
-                 tensor-core pass by the last block of each row tile (``cuda_fold``), else
-                 by a second kernel
+    merge        out (B, H_q, L, D): the splits' partial softmaxes combined
 
 The split pass is the tensor-core pass (``kvserve.kernels.cuda_mma_source``) for f16 / bf16
 queries over affine, mxfp4 or raw keys and affine, mxfp4 or turbo values, and the f32 pass
@@ -24,7 +22,7 @@ once.
 
 Turbo keys score against rotated queries (``prepare_queries``, a small MLX matmul before
 the kernel); turbo values are accumulated in their rotated basis and un-rotated once after
-the merge (in the folded merge, or by a rotation kernel), exactly as the reference does.
+the merge (``finish``), exactly as the reference does.
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ from kvserve.kernels.cuda_source import (
     TT,
     split_source,
 )
-from kvserve.kernels.cuda_fold import ARRIVALS, FOLD_HEADER
 from kvserve.kernels.cuda_layout import (
     ROW_STARTS,
     Layout,
@@ -133,26 +130,23 @@ def _split_kernel(key: Layout, value: Layout, mask: int):
 
 @functools.cache
 def _mma_kernel(key: Layout, value: Layout, mask: int, kfast: bool, vfast: bool,
-                consts: tuple[tuple[str, Any], ...], fold: bool = True, sinks: bool = False):
+                consts: tuple[tuple[str, Any], ...]):
     """The tensor-core split pass with its compile-time constants written into the source
     (``constexpr`` / ``using`` lines) instead of passed as template arguments: the source is
     built once per shape family here, where MLX would convert and format every template
-    argument again on each call of the kernel. ``fold``: the merge folded in (inputs
-    ``arrivals``, ``sinks`` with sinks, ``vpi`` for turbo values; output ``out``)."""
+    argument again on each call of the kernel."""
     names = ["q", "sc"] + [f"k{i}" for i in range(key.n_parts)] + \
         [f"v{i}" for i in range(value.n_parts)]
     names += ["mask"] * (mask >= 2) + ["vlut_in"] * (value.kind == "turbo")
-    rot = fold and value.kind == "turbo"
-    names += (["arrivals"] + ["sinks"] * sinks + ["vpi"] * rot) if fold else []
     tag = f"{key.kind}{key.bits}g{key.group}_{value.kind}{value.bits}g{value.group}_m{mask}"
-    tag += f"_f{int(kfast)}{int(vfast)}" + ("_fold" if fold else "")
+    tag += f"_f{int(kfast)}{int(vfast)}"
     lines = [f"  using {k} = {_C_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};"
              for k, v in consts]
-    source = "\n".join(lines) + "\n" + mma_source(key, value, mask, kfast, vfast, fold, sinks)
-    header = HEADER + MMA_HEADER + (FOLD_HEADER if fold else "")
+    source = "\n".join(lines) + "\n" + mma_source(key, value, mask, kfast, vfast)
+    header = HEADER + MMA_HEADER
     return mx.fast.cuda_kernel(
         name=kernel_name(f"kvs_attn_mma_{tag}", header, source, *names),
-        input_names=names, output_names=["o_part", "ml_part"] + ["out"] * fold,
+        input_names=names, output_names=["o_part", "ml_part"],
         source=source, header=header, ensure_row_contiguous=False)
 
 
@@ -181,14 +175,6 @@ def _scalar(x: float) -> mx.array:
 def _rotate_kernel():
     return mx.fast.cuda_kernel(name=kernel_name("kvs_rotate", ROTATE_BODY), input_names=["x", "m"],
                                output_names=["out"], source=ROTATE_BODY)
-
-
-@functools.cache
-def _pi(codec) -> mx.array:
-    """Pi, f32 and contiguous: the values' inverse rotation out = acc @ Pi (one per codec)."""
-    t = mx.contiguous(codec.pi.astype(F32))
-    mx.eval(t)
-    return t
 
 
 @functools.cache
@@ -281,7 +267,7 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     worked out once per shape family (``_family_plan``); per call remain the checks and
     the launch shape that involve T."""
     T = keys[0].shape[2]
-    fam = _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale, sinks)
+    fam = _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale)
     if fam is None or T == 0 or T > MAX_ELEMS - TT or any(a.shape[2] != T for a in (*keys, *values)) \
             or not _mask_fits(mask, queries.shape, T):
         return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale,
@@ -290,11 +276,9 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     mask_in = [mask4(mask)] if kind >= 2 else []
     if kind == 4 and fam.mma is not None and (starts := row_starts(mask, queries.shape[0])) is not None:
         fam, kind, mask_in = _family_plan(queries, key_fmt, keys, value_fmt, values, ROW_STARTS,
-                                          key_scale, sinks), 5, [starts]
+                                          key_scale), 5, [starts]
     if fam.mma is not None:
-        o_part, ml_part, out = _mma_pass(queries, fam, keys, values, scale, mask_in, value_fmt, sinks)
-        if out is not None:
-            return out
+        o_part, ml_part = _mma_pass(queries, fam, keys, values, scale, mask_in, value_fmt)
     else:
         o_part, ml_part = _f32_pass(queries, kl, vl, keys, values, scale, kind, mask_in,
                                     key_fmt, value_fmt, key_scale)
@@ -319,8 +303,7 @@ class FamilyPlan:
     kl: Layout
     vl: Layout
     mask_kind: int
-    mma: Any = None  # the compiled tensor-core kernel (merge folded in), or None: the f32 pass
-    mma_args: tuple = ()  # what compiles the tensor-core kernel without the fold (``_mma_kernel``)
+    mma: Any = None  # the compiled tensor-core kernel, or None for the f32 pass
 
 
 def _parts_key(parts: tuple[mx.array, ...]) -> tuple:
@@ -344,22 +327,21 @@ _FAMILIES_MAX = 256  # shape families kept (a server sees a handful: one per bat
 _families: dict[tuple, FamilyPlan | None] = {}
 
 
-def _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale,
-                 sinks=None) -> FamilyPlan | None:
+def _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale) -> FamilyPlan | None:
     """The ``FamilyPlan`` of this call's shape family, or None when the kernels do not
     serve it (the reference does); computed on the family's first call."""
     key = (queries.shape, queries.dtype, _parts_key(keys), _parts_key(values), format_key(key_fmt),
-           format_key(value_fmt), _mask_key(mask), key_scale is None, sinks is None)
+           format_key(value_fmt), _mask_key(mask), key_scale is None)
     if key in _families:
         return _families[key]
-    plan_ = _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask, sinks is not None)
+    plan_ = _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask)
     if len(_families) >= _FAMILIES_MAX:
         _families.clear()
     _families[key] = plan_
     return plan_
 
 
-def _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask, sinks: bool) -> FamilyPlan | None:
+def _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask) -> FamilyPlan | None:
     B, Hq, L, D = queries.shape
     q_dtype, Hkv = queries.dtype, keys[0].shape[1]
     kl, vl = layout_of(key_fmt, keys, D), layout_of(value_fmt, values, D)
@@ -383,8 +365,7 @@ def _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask, sinks: boo
     inputs = [q_dtype, F32, *(a.dtype for a in keys), *(a.dtype for a in values)]
     inputs += ([mx.int32] if kind == 5 else [mask.dtype] if kind >= 2 else []) + [F32] * (vl.kind == "turbo")
     consts += [(f"DT{i}", dt) for i, dt in enumerate(inputs)]
-    args = (kl, vl, kind, kfast, vfast, tuple(consts))
-    return FamilyPlan(kl, vl, kind, _mma_kernel(*args, sinks=sinks), args + (False,))
+    return FamilyPlan(kl, vl, kind, _mma_kernel(kl, vl, kind, kfast, vfast, tuple(consts)))
 
 
 def _f32_pass(queries, kl, vl, keys, values, scale, kind, mask_in, key_fmt, value_fmt, key_scale):
@@ -475,9 +456,7 @@ def fast_affine(layout: Layout, parts: tuple[mx.array, ...], act: mx.Dtype) -> b
             and (layout.bits == 4 or act == mx.float16))
 
 
-def _mma_pass(queries, fam: FamilyPlan, keys, values, scale, mask_in, value_fmt, sinks):
-    """The tensor-core pass: (o_part, ml_part, out), out None where no arrival counters were
-    left for the call (``Arrivals``): then the merge kernel reads the partials."""
+def _mma_pass(queries, fam: FamilyPlan, keys, values, scale, mask_in, value_fmt):
     B, Hq, L, D = queries.shape
     Hkv, T = keys[0].shape[1], keys[0].shape[2]
     rows = (Hq // Hkv) * L
@@ -485,32 +464,11 @@ def _mma_pass(queries, fam: FamilyPlan, keys, values, scale, mask_in, value_fmt,
     if fam.vl.kind == "turbo":
         inputs.append(_lut(value_fmt))
     p = mma_plan(B * Hkv, rows, T, D)
-    arrivals = ARRIVALS.take(B * Hkv * p.row_tiles)
-    if arrivals is not None:
-        inputs += [arrivals] + ([] if sinks is None else [_sinks_f32(sinks)])
-        inputs += [_pi(value_fmt.codec)] if fam.vl.kind == "turbo" else []
-    parts = [(p.splits, B * Hkv, rows, D), (p.splits, B * Hkv, rows, 2)]
-    kernel = fam.mma if arrivals is not None else _mma_kernel(*fam.mma_args)
-    outs = kernel(
+    return fam.mma(
         inputs=inputs, grid=(p.row_tiles * p.warps * 32, p.splits, B * Hkv),
         threadgroup=(p.warps * 32, 1, 1),
-        output_shapes=parts + [(B, Hq, L, D)] * (arrivals is not None),
-        output_dtypes=[F32, F32] + [queries.dtype] * (arrivals is not None))
-    return outs[0], outs[1], (outs[2] if arrivals is not None else None)
-
-
-_sinks: dict[int, tuple[mx.array, mx.array]] = {}
-
-
-def _sinks_f32(sinks: mx.array) -> mx.array:
-    """A model's sink logits (H_q,) as contiguous f32, converted once per array (they are
-    weights: the same array every step), so a call with sinks stays one kernel."""
-    hit = _sinks.get(id(sinks))
-    if hit is None or hit[0] is not sinks:
-        if len(_sinks) >= 64:
-            _sinks.clear()
-        hit = _sinks[id(sinks)] = (sinks, mx.contiguous(sinks.reshape(-1).astype(F32)))
-    return hit[1]
+        output_shapes=[(p.splits, B * Hkv, rows, D), (p.splits, B * Hkv, rows, 2)],
+        output_dtypes=[F32, F32])
 
 
 def _template(kl: Layout, vl: Layout, D: int, p: Plan, kind: int, inputs) -> list:

@@ -25,15 +25,13 @@ so every load is one contiguous piece of a row. Worked example, D=128, affine4: 
 
 Warps of a block walk interleaved steps of the block's split with their own softmax state,
 with no block-wide barrier until the end, where the warps' states are merged into the same
-partial (acc, max, sum) per split that the f32 split pass writes; the last block of a row
-tile to finish then merges the splits (``cuda_fold``), or, where no counters are left for
-the call, the merge kernel of the f32 pass does. Turbo values fold each token's norm into its probability (p * norm) before the
+partial (acc, max, sum) per split that the f32 split pass writes, so one merge kernel serves
+both. Turbo values fold each token's norm into its probability (p * norm) before the
 product, so decoding a value is a centroid lookup only.
 """
 
 from __future__ import annotations
 
-from kvserve.kernels.cuda_fold import fold_call
 from kvserve.kernels.cuda_source import MASK_CODE
 
 
@@ -395,15 +393,12 @@ def run(layout, role: str, fast: bool) -> dict[str, str]:
             "decode": f"        {slot}.decode({out}, {lut});"}
 
 
-def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: bool = False,
-               fold: bool = False, sinks: bool = False) -> str:
+def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: bool = False) -> str:
     """The tensor-core split pass for one pair of stored formats and a mask kind.
 
     Keys: raw (in the queries' dtype), affine or mxfp4; values: affine, mxfp4 or turbo.
     ``kfast`` / ``vfast``: affine codes decoded straight to pairs (``AffineRun``; the
-    scales must be in the queries' dtype), else through f32. ``fold``: the last block of
-    each row tile merges the splits and writes ``out`` (``cuda_fold``), with the model's
-    ``sinks`` logits if it has them.
+    scales must be in the queries' dtype), else through f32.
 
         >>> from kvserve.kernels.cuda_layout import Layout
         >>> src = mma_source(Layout("affine", 4, 64, 3, 16), Layout("turbo", 3, 0, 2, 12), 0)
@@ -415,7 +410,6 @@ def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: 
 
     walk = WALK.replace("__PK__", "true") + WALK.replace("__PK__", "false")
     body = MMA_BODY.replace("__WALK__", walk).replace("__MASK__", _mask(mask))
-    body += fold_call(sinks, value_layout.kind == "turbo") if fold else ""
     lut = ""
     if value_layout.kind == "turbo":
         lut = f"  if (threadIdx.x < {1 << value_layout.bits}) vlut[threadIdx.x] = vlut_in[threadIdx.x];"

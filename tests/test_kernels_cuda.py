@@ -14,7 +14,7 @@ from kvserve.cache import parse_scheme
 from kvserve.cache.affine import QuantizedFormat, quantize_parts
 from kvserve.cache.turbo_codec import make_format
 from kvserve.kernels import cuda_attention as ca
-from kvserve.kernels import cuda_fold, cuda_source, dispatch
+from kvserve.kernels import cuda_source, dispatch
 from kvserve.kernels.reference import attend_full
 
 ON_CUDA = ca.cuda_ready()
@@ -149,7 +149,7 @@ def test_specs_support_only_short_queries():
     assert not spec["supports"](kf, vf, 17)
 
 
-@pytest.mark.parametrize("module", [ca, cuda_source, cuda_fold])
+@pytest.mark.parametrize("module", [ca, cuda_source])
 def test_doctests(module):
     assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
 
@@ -196,60 +196,6 @@ def test_row_starts_equal_the_padded_mask_on_gpu(name):
         want = attend_full(q.astype(mx.float32), kf, kp, vf, vp, D ** -0.5, mask)
         assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() <= 4e-3
         assert mx.max(mx.abs(plain.astype(mx.float32) - want)).item() <= 4e-3
-
-
-def test_arrival_counters_are_reused_only_calls_apart():
-    """Each call takes the next counters of the ring; a counter comes back only after
-    ``CALLS_APART`` calls of the same size, so calls MLX runs side by side never share one."""
-    ring = cuda_fold.Arrivals()
-    offsets = []
-    for _ in range(2 * cuda_fold.CALLS_APART):
-        view = ring.take(96)
-        offsets.append(ring.pos - 96)
-        assert view.shape == (96,) and mx.all(view == 0).item()
-    first_reuse = next(i for i in range(1, len(offsets)) if offsets[i] == offsets[0])
-    assert first_reuse >= cuda_fold.CALLS_APART
-    assert ring.take(cuda_fold.MAX_NEED) is not None and ring.take(cuda_fold.MAX_NEED + 1) is None
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
-@pytest.mark.parametrize("name", ["affine4", "mxfp4", "turbo0v4"])
-@pytest.mark.parametrize("sinks", [None, (-2.0, 0.0, 1.0, 3.0, 0.5, 6.0, -1.0, 2.0)])
-def test_the_folded_merge_equals_the_merge_kernel_on_gpu(name, sinks, monkeypatch):
-    """The tensor-core pass merges its splits in its last block; where the ring has no
-    counters for a call (``MAX_NEED``), the merge kernel does it: both equal the reference."""
-    D, T, B, Hkv, R = 128, 1000, 3, 2, 4
-    kf, kp, vf, vp = _formats(name, D, T, B, Hkv)
-    q = mx.random.normal((B, Hkv * R, 1, D), key=mx.random.key(7)).astype(mx.float16)
-    sinks = None if sinks is None else mx.array(sinks)
-    with mx.stream(mx.gpu):
-        folded = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, None, sinks=sinks)
-        mx.eval(folded)
-        monkeypatch.setattr(cuda_fold, "MAX_NEED", 0)
-        merged = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, None, sinks=sinks)
-        mx.eval(merged)
-    with mx.stream(mx.cpu):
-        want = attend_full(q.astype(mx.float32), kf, kp, vf, vp, D ** -0.5, None, sinks=sinks)
-        for got in (folded, merged):
-            assert got.dtype == mx.float16
-            assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() <= 4e-3
-    assert mx.max(mx.abs(folded.astype(mx.float32) - merged.astype(mx.float32))).item() <= 2e-3
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
-def test_independent_calls_in_one_graph_each_merge_their_own_splits():
-    """Calls with no data between them may run side by side in one CUDA graph: 64 of them
-    evaluated together equal the same calls evaluated one at a time."""
-    D, T, B, Hkv, R = 128, 2000, 2, 2, 4
-    kf, kp, vf, vp = _formats("affine4", D, T, B, Hkv)
-    qs = [mx.random.normal((B, Hkv * R, 1, D), key=mx.random.key(i)).astype(mx.float16) for i in range(64)]
-    with mx.stream(mx.gpu):
-        together = [ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, None) for q in qs]
-        mx.eval(together)
-        for q, got in zip(qs, together):
-            alone = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, None)
-            mx.eval(alone)
-            assert mx.array_equal(got, alone).item()
 
 
 def _check_against_the_reference(name, L, dtype, tol, sinks, D):
