@@ -91,7 +91,16 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
                sinks: mx.array | None = None) -> mx.array:
     """Attention over unencoded K/V (the fp16 cache, and a turbo cache before it compresses):
     on the CPU the fused kernel where the dispatch picks one (MLX's SDPA falls back to a chain
-    of operations there), on a GPU the grouped path for short masked calls, else MLX's SDPA."""
+    of operations there); on a GPU, a padded batch's decode step (its mask known by each row's
+    first slot) by the tensor-core kernel, which starts each row there, other short masked
+    calls by the grouped path (MLX's SDPA takes no array mask in its fused form there), else
+    MLX's SDPA."""
+    if mx.default_device().type == mx.gpu and _row_starts_known(mask, queries):
+        from kvserve.kernels import dispatch
+        from kvserve.cache.turbo_codec import RawFormat
+
+        kf, vf = RawFormat(keys.shape[-1]), RawFormat(values.shape[-1])
+        return dispatch.attend(queries, kf, (keys,), vf, (values,), scale, mask, sinks=sinks)
     if mx.default_device().type == mx.cpu:
         from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
         from kvserve.cache.turbo_codec import RawFormat
@@ -103,6 +112,12 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
             and mx.default_device().type == mx.gpu):
         return attend_grouped(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+def _row_starts_known(mask: Any, queries: mx.array) -> bool:
+    from kvserve.kernels.cuda_layout import row_starts
+
+    return queries.shape[2] == 1 and isinstance(mask, mx.array) and row_starts(mask, queries.shape[0]) is not None
 
 
 class FP16KVCache(FP16Codec, StoredKVCache):

@@ -210,7 +210,7 @@ def _centroids(codec) -> mx.array:
 def supported(queries: mx.array, key: Layout | None, value: Layout | None) -> bool:
     _, _, L, D = queries.shape
     return (key is not None and value is not None and D in HEAD_DIMS and 1 <= L <= MAX_L
-            and value.kind != "raw" and queries.dtype in (mx.float16, mx.bfloat16, F32))
+            and queries.dtype in (mx.float16, mx.bfloat16, F32))
 
 
 _PART_DTYPES = {"affine": (mx.uint32, None, None), "mx": (mx.uint32, mx.uint8),
@@ -349,8 +349,8 @@ def _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask) -> FamilyP
             or not launchable(queries, kl, vl, keys, values, mask, key_fmt, value_fmt):
         return None
     kind = mask_kind(mask, L)
-    if not tensor_cores(queries, kl, vl, keys):
-        return FamilyPlan(kl, vl, kind)
+    if not tensor_cores(queries, kl, vl, keys):  # the f32 pass reads no raw values
+        return None if vl.kind == "raw" else FamilyPlan(kl, vl, kind)
     rows = (Hq // Hkv) * L
     p = mma_plan(B * Hkv, rows, 1 << 20, D)  # T-independent fields only (nr, tm, warps)
     (kec, kvec), (vec, vvec) = chunking(kl, D // 4), chunking(vl, D // 8)
@@ -393,9 +393,11 @@ def _f32_pass(queries, kl, vl, keys, values, scale, kind, mask_in, key_fmt, valu
 
 def tensor_cores(queries: mx.array, kl: Layout, vl: Layout, keys: tuple[mx.array, ...]) -> bool:
     """Whether the tensor-core pass serves this call: f16/bf16 queries; keys affine, mxfp4
-    or raw in the queries' dtype; values affine, mxfp4 or turbo."""
-    return (queries.dtype in (mx.float16, mx.bfloat16) and vl.kind in ("affine", "mx", "turbo")
-            and (kl.kind in ("affine", "mx") or (kl.kind == "raw" and keys[0].dtype == queries.dtype)))
+    or raw in the queries' dtype; values affine, mxfp4, turbo, or raw beside raw keys (an
+    fp16 cache: K and V in one dtype)."""
+    raw_keys = kl.kind == "raw" and keys[0].dtype == queries.dtype
+    return (queries.dtype in (mx.float16, mx.bfloat16) and (kl.kind in ("affine", "mx") or raw_keys)
+            and (vl.kind in ("affine", "mx", "turbo") or (vl.kind == "raw" and raw_keys)))
 
 
 @dataclass(frozen=True)
@@ -506,6 +508,8 @@ def family(key_fmt, value_fmt) -> str | None:
     from kvserve.cache.affine import QuantizedFormat
     from kvserve.cache.turbo_codec import AffineFormat, RawFormat, TurboFormat
 
+    if isinstance(key_fmt, RawFormat) and isinstance(value_fmt, RawFormat):
+        return "raw"
     if isinstance(key_fmt, QuantizedFormat) and isinstance(value_fmt, QuantizedFormat):
         k, v = key_fmt.fmt, value_fmt.fmt
         if k.mode == v.mode == "affine" and {k.bits, v.bits} <= {4, 8}:
@@ -522,9 +526,11 @@ def family(key_fmt, value_fmt) -> str | None:
     return None
 
 
-FAMILIES = ("affine", "mxfp4", "turbo-raw-keys", "turbo-affine-keys", "turbo-turbo-keys")
+# "raw": an fp16 cache's K/V, served only where ``cache.fp16.attend_raw`` asks (a padded
+# batch's decode, whose mask MLX's fused SDPA does not take on a GPU).
+FAMILIES = ("affine", "mxfp4", "turbo-raw-keys", "turbo-affine-keys", "turbo-turbo-keys", "raw")
 # Families the dispatch runs on an NVIDIA GPU without a first-call self-check. None: all
-# five passed the GPU grid on an H200 (mlx 0.32.4, 473 cases over 17 schemes) and
+# first five passed the GPU grid on an H200 (mlx 0.32.4, 473 cases over 17 schemes) and
 # compute-sanitizer's memcheck (0 errors), but one process that ran the grid later hit "an
 # illegal memory access" whose cause was not isolated (docs/benchmarks/attention-gpu.md,
 # "Memory safety"), so each family must match the reference on its first call first.

@@ -302,10 +302,13 @@ def test_metrics_in_prometheus_text_format(server, client, model_id):
 
 def test_prompt_cache_hits_show_in_usage_and_metrics(server, client, model_id):
     messages = [{"role": "user", "content": "A question that is asked twice, word for word."}]
+    # Another request first, so that this test sees the same cache whichever ran before it.
+    client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Hi."}],
+                                   temperature=0, max_tokens=1)
     before = metric_values(server)
     first = client.chat.completions.create(model=model_id, messages=messages, temperature=0, max_tokens=6)
     second = client.chat.completions.create(model=model_id, messages=messages, temperature=0, max_tokens=6)
-    # Earlier requests share the chat template's opening (its default system prompt) only.
+    # The earlier request shares the chat template's opening (its default system prompt) only.
     assert 0 < first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - 5
     assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
     assert second.choices[0].message.content == first.choices[0].message.content

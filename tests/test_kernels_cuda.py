@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from kvserve.cache import parse_scheme
 from kvserve.cache.affine import QuantizedFormat, quantize_parts
-from kvserve.cache.turbo_codec import make_format
+from kvserve.cache.turbo_codec import RawFormat, make_format
 from kvserve.kernels import cuda_attention as ca
 from kvserve.kernels import cuda_source, dispatch
 from kvserve.kernels.reference import attend_full
@@ -23,6 +23,9 @@ ON_CUDA = ca.cuda_ready()
 def _formats(name, D=128, T=8, B=1, H=2):
     s = parse_scheme(name)
     k = mx.random.normal((B, H, T, D), key=mx.random.key(1))
+    if name == "fp16":  # an fp16 cache's K/V: raw, in the queries' dtype
+        v = mx.random.normal((B, H, T, D), key=mx.random.key(2))
+        return RawFormat(D), (k.astype(mx.float16),), RawFormat(D), (v.astype(mx.float16),)
     if s.values.kind == "turbo":
         kf, vf = make_format(s.keys, D), make_format(s.values, D)
         return kf, tuple(kf.encode(k)), vf, tuple(vf.encode(k))
@@ -174,7 +177,7 @@ def test_kernel_matches_the_reference_at_other_head_dims(name, L, D):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
-@pytest.mark.parametrize("name", ["affine4", "mxfp4", "turbo0v4", "turbo8v3"])
+@pytest.mark.parametrize("name", ["affine4", "mxfp4", "turbo0v4", "turbo8v3", "fp16"])
 def test_row_starts_equal_the_padded_mask_on_gpu(name):
     """Kind 5 against the reference over the same mask as an array: rows whose first slot is
     0, inside a step (5), past whole steps (17, 33) and inside the last, partial step (290 of
@@ -196,6 +199,36 @@ def test_row_starts_equal_the_padded_mask_on_gpu(name):
         want = attend_full(q.astype(mx.float32), kf, kp, vf, vp, D ** -0.5, mask)
         assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() <= 4e-3
         assert mx.max(mx.abs(plain.astype(mx.float32) - want)).item() <= 4e-3
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("sinks", [None, (-2.0, 0.0, 1.0, 3.0, 0.5, 6.0, -1.0, 2.0)])
+def test_an_fp16_padded_decode_takes_the_kernel_on_gpu(sinks):
+    """An fp16 cache's padded decode step (``attend_raw`` with a mask known by its row starts)
+    is served by the tensor-core kernel ("cuda-raw"), and equals the grouped path that the same
+    mask as a plain array takes, and the reference."""
+    from kvserve.cache.fp16 import attend_raw
+    from kvserve.kernels.cuda_layout import note_left_padding
+
+    D, T, Hkv, R, starts = 128, 700, 2, 4, [0, 3, 40, 512]
+    B = len(starts)
+    kf, (k,), vf, (v,) = _formats("fp16", D, T, B, Hkv)
+    q = mx.random.normal((B, Hkv * R, 1, D), key=mx.random.key(9)).astype(mx.float16)
+    mask = mx.arange(T)[None, None, None, :] >= mx.array(starts)[:, None, None, None]
+    note_left_padding(mask, starts)
+    sinks = None if sinks is None else mx.array(sinks)
+    assert dispatch.choose(kf, vf, 1, T, mx.gpu) == "cuda-raw"
+    with mx.stream(mx.gpu):
+        got = attend_raw(q, k, v, D ** -0.5, mask, sinks)
+        mx.eval(got)
+        if sinks is None:
+            grouped = attend_raw(q, k, v, D ** -0.5, mx.array(mask))
+            mx.eval(grouped)
+    with mx.stream(mx.cpu):
+        want = attend_full(q.astype(mx.float32), kf, (k,), vf, (v,), D ** -0.5, mask, sinks=sinks)
+        assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() <= 4e-3
+        if sinks is None:
+            assert mx.max(mx.abs(grouped.astype(mx.float32) - want)).item() <= 4e-3
 
 
 def _check_against_the_reference(name, L, dtype, tol, sinks, D):
