@@ -354,7 +354,7 @@ def _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask) -> FamilyP
     rows = (Hq // Hkv) * L
     p = mma_plan(B * Hkv, rows, 1 << 20, D)  # T-independent fields only (nr, tm, warps)
     (kec, kvec), (vec, vvec) = chunking(kl, D // 4), chunking(vl, D // 8)
-    kfast, vfast = fast_affine(kl, keys, q_dtype), fast_affine(vl, values, q_dtype)
+    kfast, vfast = fast_pairs(kl, keys, q_dtype), fast_pairs(vl, values, q_dtype)
     consts = [("D", D), ("NR", p.nr), ("TM", p.tm), ("NWP", p.warps), ("MASK", kind), ("ACT", q_dtype),
               ("KEC", kec), ("KVEC", kvec), ("KBITS", kl.bits), ("KGS", kl.group or 32),
               ("VEC", vec), ("VVEC", vvec), ("VBITS", vl.bits), ("VGS", vl.group or 32),
@@ -451,9 +451,13 @@ def chunking(layout: Layout, n: int) -> tuple[int, int]:
     return ec, 1
 
 
-def fast_affine(layout: Layout, parts: tuple[mx.array, ...], act: mx.Dtype) -> bool:
-    """Whether affine codes can become ``act`` pairs without f32 (``affine_pairs``): scales
-    in the queries' dtype, and 4-bit, or 8-bit into f16 (1024 + 255 is exact in f16 only)."""
+def fast_pairs(layout: Layout, parts: tuple[mx.array, ...], act: mx.Dtype) -> bool:
+    """Whether codes become ``act`` pairs without f32, as pairs (p, p + 4) of each word
+    (``pair_map``'s fast map): affine codes whose scales are in the queries' dtype, 4-bit, or
+    8-bit into f16 (1024 + 255 is exact in f16 only) (``AffineRun``); mxfp4 codes into f16
+    (``MxRun``)."""
+    if layout.kind == "mx":
+        return act == mx.float16
     return (layout.kind == "affine" and parts[1].dtype == act
             and (layout.bits == 4 or act == mx.float16))
 

@@ -158,20 +158,25 @@ struct MxRun {  // mxfp4: e2m1 codes, 8 per word, and one e8m0 exponent per 32 e
     for (int i = 0; i < NGR; ++i) e[i] = sc[e0 / 32 + i];
   }
   __device__ __forceinline__ void decode(uint32_t* out, const float*) const {
-    if constexpr (Magic<AT>::HI_NIBBLE) {  // f16: a byte permute per pair, then one multiply
+    if constexpr (Magic<AT>::HI_NIBBLE) {
+      // f16, pairs (p, p + 4) of each word (``pair_map``'s fast map): the two codes sit 16
+      // bits apart, as the two halves of an f16 pair do, so one shift puts both magnitudes
+      // (e1 e0 m) at f16 bits 9-11 and another both signs at bit 15. As an f16 that is the
+      // e2m1 value times 2^-14, subnormals included (0.5 -> 2^-15); times 2^14, then times
+      // the block's scale: exact, then one rounding, as the f32 path.
+      const uint32_t two14 = 0x74007400u;
 #pragma unroll
       for (int m = 0; m < NWD; ++m) {
         // The scale as an f16 power of two (exact from 2^-24 to 2^15; a block of f16 values
         // never needs more; clamped so that a corrupt exponent gives inf, not inf * 0).
         const uint32_t s2 = Magic<AT>::splat(__float2half_rn(
             __uint_as_float(min(uint32_t(e[(8 * m) / 32]), 142u) << 23)));
-        const uint32_t mag = u[m] & 0x77777777u, sgn = u[m] & 0x88888888u;
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {  // codes 2p, 2p + 1: magnitudes pick an f16's high byte
-          const uint32_t mp = mag >> (8 * p), sp = sgn >> (8 * p);
-          const uint32_t h = __byte_perm(0x3E3C3800u, 0x46444240u, ((mp << 4) & 0x70u) | ((mp << 8) & 0x7000u))
-                             | ((sp << 12) & 0x8000u) | ((sp << 24) & 0x80000000u);
-          __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&h), *reinterpret_cast<const __half2*>(&s2));
+        for (int p = 0; p < 4; ++p) {
+          const uint32_t t = p < 3 ? u[m] << (9 - 4 * p) : u[m] >> 3;
+          const uint32_t h = (t & 0x0E000E00u) | ((t << 3) & 0x80008000u);
+          __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&h), *reinterpret_cast<const __half2*>(&two14));
+          x = __hmul2(x, *reinterpret_cast<const __half2*>(&s2));
           out[4 * m + p] = *reinterpret_cast<uint32_t*>(&x);
         }
       }

@@ -33,14 +33,15 @@ def _parts(name, dtype=mx.float16, D=128, T=8):
 @pytest.mark.parametrize("name,dtype,mma,kfast,vfast", [
     ("affine4", mx.float16, True, True, True), ("affine4", mx.bfloat16, True, True, True),
     ("affine8", mx.float16, True, True, True), ("affine8", mx.bfloat16, True, False, False),
-    ("mxfp4", mx.float16, True, False, False), ("turbo0v4", mx.float16, True, False, False),
+    ("mxfp4", mx.float16, True, True, True), ("mxfp4", mx.bfloat16, True, False, False),
+    ("turbo0v4", mx.float16, True, False, False),
     ("turbo8v3", mx.bfloat16, True, False, False), ("turbo8v3", mx.float16, True, True, False),
     ("turbo4", mx.float16, False, False, False), ("affine4", mx.float32, False, True, True)])
 def test_which_calls_take_the_tensor_cores(name, dtype, mma, kfast, vfast):
     kf, kp, vf, vp, kl, vl = _parts(name, dtype)
     q = mx.zeros((1, 4, 1, 128), dtype)
     assert ca.tensor_cores(q, kl, vl, kp) == mma
-    assert (ca.fast_affine(kl, kp, dtype), ca.fast_affine(vl, vp, dtype)) == (kfast, vfast)
+    assert (ca.fast_pairs(kl, kp, dtype), ca.fast_pairs(vl, vp, dtype)) == (kfast, vfast)
 
 
 def test_raw_keys_in_another_dtype_take_the_f32_pass():
@@ -64,11 +65,11 @@ def test_mma_plan_covers_the_context_and_the_rows_once(bh, rows, T, D):
 @pytest.mark.parametrize("mask", [0, 1, 2, 3, 4, 5])
 def test_generated_source_is_complete(name, mask):
     _, kp, _, vp, kl, vl = _parts(name)
-    kfast, vfast = ca.fast_affine(kl, kp, mx.float16), ca.fast_affine(vl, vp, mx.float16)
+    kfast, vfast = ca.fast_pairs(kl, kp, mx.float16), ca.fast_pairs(vl, vp, mx.float16)
     src = ms.mma_source(kl, vl, mask, kfast, vfast)
     assert not re.findall(r"__[A-Z_]+__", src)  # every placeholder filled
     assert src.count("{") == src.count("}")
-    assert ("AffineRun" in src) == (kfast or vfast)
+    assert ("AffineRun" in src) == ((kfast and kl.kind == "affine") or (vfast and vl.kind == "affine"))
     assert ("LutRun" in src) == (vl.kind == "turbo")
 
 
