@@ -77,10 +77,10 @@ def batch_cache(model, scheme: str, batch: int, context: int):
 
 
 def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
-                 profile: bool = False) -> tuple[list[float], float]:
+                 profile: int = 0) -> tuple[list[float], float]:
     """Seconds of the engine's first ``steps`` decode-only steps over all ``batch`` rows,
-    and the GiB its caches hold then; ``profile``: then prints ``device_split`` of a few
-    more steps."""
+    and the GiB its caches hold then; ``profile`` (N > 0): then prints ``device_split`` of a
+    few more steps, with the N kernels that took most of them."""
     import mlx.core as mx
     from kvserve.cache import parse_scheme
     from kvserve.cache.prefix import Namespace, PrefixCache
@@ -120,7 +120,7 @@ def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
         timed = len(times)
         records = kernel_records(lambda: [step() for _ in range(PROFILED_STEPS)])
         del times[timed:]  # the profiled steps are not part of the timing
-        print(device_split(records, PROFILED_STEPS, "engine, steps decoded one ahead"), flush=True)
+        print(device_split(records, PROFILED_STEPS, "engine, steps decoded one ahead", profile), flush=True)
     kv = runner.kv_bytes / 2**30
     for r in requests:
         runner.release(r.request_id)
@@ -154,14 +154,16 @@ def device_split(records: list, steps: int, loop: str, top: int = 6) -> str:
     if not records:
         return "  (no kernel records: PyTorch with CUDA is needed to read them)"
     by_name: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
     for name, start, end in records:
         by_name[name] += (end - start) / steps
+        launches[name] += 1
     busy = sum(by_name.values())
     span = (max(r[2] for r in records) - min(r[1] for r in records)) / steps
     lines = [f"  {loop}: device busy {busy / 1e3:.2f} ms per step in {len(records) / steps:.0f} kernels, "
              f"first to last kernel {span / 1e3:.2f} ms"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"    {us / 1e3:7.3f} ms  {name[:110]}")
+        lines.append(f"    {us / 1e3:7.3f} ms {launches[name] / steps:5.0f}x  {name[:110]}")
     return "\n".join(lines)
 
 
@@ -184,8 +186,9 @@ def parser(doc: str, schemes: str, steps: int) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser(__doc__, "fp16,affine4,turbo0v4", 24)
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    p.add_argument("--profile", action="store_true",
-                   help="after each loop, its kernels' device time per step (CUPTI, needs PyTorch)")
+    p.add_argument("--profile", nargs="?", type=int, const=6, default=0, metavar="TOP",
+                   help="after each loop, its kernels' device time per step and the TOP kernels "
+                        "that take most of it, with their launches per step (CUPTI, needs PyTorch)")
     args = p.parse_args(argv)
     import mlx.core as mx
 
@@ -205,7 +208,8 @@ def main(argv=None) -> int:
             from kvserve.kernels.bench_cases import kernel_records
 
             records = kernel_records(lambda: time_steps(model, cache, args.batch, PROFILED_STEPS))
-            print(device_split(records, PROFILED_STEPS, "bare, steps evaluated one at a time"), flush=True)
+            print(device_split(records, PROFILED_STEPS, "bare, steps evaluated one at a time", args.profile),
+                  flush=True)
         del cache
         mx.clear_cache()
     return 0
