@@ -95,18 +95,14 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
     first slot) by the tensor-core kernel, which starts each row there, other short masked
     calls by the grouped path (MLX's SDPA takes no array mask in its fused form there), else
     MLX's SDPA."""
-    if mx.default_device().type == mx.gpu and _row_starts_known(mask, queries):
-        from kvserve.kernels import dispatch
-        from kvserve.cache.turbo_codec import RawFormat
-
-        kf, vf = RawFormat(keys.shape[-1]), RawFormat(values.shape[-1])
-        return dispatch.attend(queries, kf, (keys,), vf, (values,), scale, mask, sinks=sinks)
-    if mx.default_device().type == mx.cpu:
+    on_cpu = mx.default_device().type == mx.cpu
+    if on_cpu or _row_starts_known(mask, queries):
         from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
         from kvserve.cache.turbo_codec import RawFormat
 
         kf, vf = RawFormat(keys.shape[-1]), RawFormat(values.shape[-1])
-        if dispatch.choose(kf, vf, queries.shape[2], keys.shape[2]) not in ("full", "blockwise"):
+        fused = dispatch.choose(kf, vf, queries.shape[2], keys.shape[2]) not in ("full", "blockwise")
+        if fused or not on_cpu:
             return dispatch.attend(queries, kf, (keys,), vf, (values,), scale, mask, sinks=sinks)
     if (isinstance(mask, mx.array) and queries.shape[2] <= GROUPED_MAX_L and sinks is None
             and mx.default_device().type == mx.gpu):
@@ -117,7 +113,7 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
 def _row_starts_known(mask: Any, queries: mx.array) -> bool:
     from kvserve.kernels.cuda_layout import row_starts
 
-    return queries.shape[2] == 1 and isinstance(mask, mx.array) and row_starts(mask, queries.shape[0]) is not None
+    return queries.shape[2] == 1 and row_starts(mask, queries.shape[0]) is not None
 
 
 class FP16KVCache(FP16Codec, StoredKVCache):

@@ -267,16 +267,19 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     worked out once per shape family (``_family_plan``); per call remain the checks and
     the launch shape that involve T."""
     T = keys[0].shape[2]
-    fam = _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale)
+    # A padded batch's decode mask known by its rows' first slots: the tensor-core pass reads
+    # one start per row (mask kind 5); other passes, and other masks, read the mask itself.
+    starts = row_starts(mask, queries.shape[0]) if queries.shape[2] == 1 else None
+    fam = None if starts is None else _family_plan(queries, key_fmt, keys, value_fmt, values,
+                                                   ROW_STARTS, key_scale)
+    if fam is None:
+        fam = _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale)
     if fam is None or T == 0 or T > MAX_ELEMS - TT or any(a.shape[2] != T for a in (*keys, *values)) \
             or not _mask_fits(mask, queries.shape, T):
         return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale,
                                 sinks=sinks)
     kl, vl, kind = fam.kl, fam.vl, fam.mask_kind
-    mask_in = [mask4(mask)] if kind >= 2 else []
-    if kind == 4 and fam.mma is not None and (starts := row_starts(mask, queries.shape[0])) is not None:
-        fam, kind, mask_in = _family_plan(queries, key_fmt, keys, value_fmt, values, ROW_STARTS,
-                                          key_scale), 5, [starts]
+    mask_in = [starts] if kind == 5 else [mask4(mask)] if kind >= 2 else []
     if fam.mma is not None:
         o_part, ml_part = _mma_pass(queries, fam, keys, values, scale, mask_in, value_fmt)
     else:
@@ -349,8 +352,8 @@ def _new_family_plan(queries, key_fmt, keys, value_fmt, values, mask) -> FamilyP
             or not launchable(queries, kl, vl, keys, values, mask, key_fmt, value_fmt):
         return None
     kind = mask_kind(mask, L)
-    if not tensor_cores(queries, kl, vl, keys):  # the f32 pass reads no raw values
-        return None if vl.kind == "raw" else FamilyPlan(kl, vl, kind)
+    if not tensor_cores(queries, kl, vl, keys):  # the f32 pass reads no raw values, no row starts
+        return None if vl.kind == "raw" or kind == 5 else FamilyPlan(kl, vl, kind)
     rows = (Hq // Hkv) * L
     p = mma_plan(B * Hkv, rows, 1 << 20, D)  # T-independent fields only (nr, tm, warps)
     (kec, kvec), (vec, vvec) = chunking(kl, D // 4), chunking(vl, D // 8)
