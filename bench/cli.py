@@ -163,12 +163,24 @@ def bench_target(target: Target, model_dir: Path, args, prompts: list[str], llam
         row = {"label": target.label, **result.summary()}
         if args.overhead and target.kind == "kvserve":
             row["overhead"] = steady_itl(running, prompts, args)
-        row["peak_rss"] = running.peak_rss()
+        row["peak_rss"], row["ready_s"] = running.peak_rss(), running.ready_s
+        start_up = [line for line in running.output().splitlines() if "warm-up:" in line or "device:" in line]
     finally:
         running.stop()
-    print(f"bench: {target.label}: {row['output_tok_s']:.1f} output tok/s, "
-          f"{row['errors']} errors", file=sys.stderr, flush=True)
+    print(f"bench: {target.label}: {row['output_tok_s']:.1f} output tok/s, {row['errors']} errors, "
+          f"TTFT p99 {_ms(row['ttft_p99'])}, TPOT p50 {_ms(row['tpot_p50'])}, ready in {row['ready_s']:.1f} s",
+          *start_up, sep="\n  ", file=sys.stderr, flush=True)
     return row
+
+
+def _ms(seconds: float | None) -> str:
+    """A latency for the progress line, printed as each target finishes, so a run cut
+    short still shows the targets it measured.
+
+        >>> _ms(0.0441), _ms(None)
+        ('44 ms', '-')
+    """
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
 def steady_itl(running: Running, prompts: list[str], args) -> dict:

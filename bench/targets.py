@@ -104,10 +104,12 @@ class Running:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-bench-", suffix=".log")
         command = target.command(model_dir, self.port, llama)
+        started = time.monotonic()
         self.procs = [subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
                       for env in self._ring_env(target.world)]
         self.proc = self.procs[0]
         self._wait(timeout)
+        self.ready_s = time.monotonic() - started  # start to /health answering 200
 
     def _ring_env(self, world: int) -> list[dict | None]:
         """Each process's environment: ``MLX_RANK`` and a loopback ``MLX_HOSTFILE`` for a split model."""

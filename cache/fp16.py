@@ -92,11 +92,11 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
     """Attention over unencoded K/V (the fp16 cache, and a turbo cache before it compresses):
     on the CPU the fused kernel where the dispatch picks one (MLX's SDPA falls back to a chain
     of operations there); on a GPU, a padded batch's decode step (its mask known by each row's
-    first slot) by the tensor-core kernel, which starts each row there, other short masked
-    calls by the grouped path (MLX's SDPA takes no array mask in its fused form there), else
-    MLX's SDPA."""
+    first slot) in a half dtype by the tensor-core kernel, which starts each row there, other
+    short masked calls by the grouped path (MLX's SDPA takes no array mask in its fused form
+    there), else MLX's SDPA."""
     on_cpu = mx.default_device().type == mx.cpu
-    if on_cpu or _row_starts_known(mask, queries):
+    if on_cpu or (_row_starts_known(mask, queries) and _half(queries, keys)):
         from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
         from kvserve.cache.turbo_codec import RawFormat
 
@@ -108,6 +108,13 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
             and mx.default_device().type == mx.gpu):
         return attend_grouped(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+def _half(queries: mx.array, keys: mx.array) -> bool:
+    """The tensor-core kernel reads raw K/V in the queries' dtype, a half one; float32
+    queries take the grouped path (the kernel's reference fallback evaluates block by block,
+    which stalls a pipelined decode step on every layer)."""
+    return queries.dtype in (mx.float16, mx.bfloat16) and keys.dtype == queries.dtype
 
 
 def _row_starts_known(mask: Any, queries: mx.array) -> bool:

@@ -76,8 +76,13 @@ class EngineConfig:
     # Split the model across the processes ``mlx.launch`` started (tensor parallel over
     # mx.distributed): rank 0 serves HTTP and plans, every rank computes its shard.
     distributed: bool = False
+    # Serve a batch of requests to the engine itself before /health says ready, so no client
+    # request waits on a kernel compile: "auto" does it where kernels compile at first use
+    # (a GPU; the device profile, ``server/engine/device.py``), "on" and "off" everywhere.
+    warmup: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.warmup in ("auto", "on", "off"), f"engine.warmup must be auto, on or off, got {self.warmup!r}")
         _require(1 <= self.max_tokens <= self.max_tokens_limit,
                  "engine.max_tokens must be between 1 and engine.max_tokens_limit")
         _require(self.prefill_step_size >= 1, "engine.prefill_step_size must be >= 1")

@@ -52,7 +52,7 @@ from kvserve.kernels.cuda_layout import (
 )
 from kvserve.kernels.cuda_mma_header import MMA_HEADER
 from kvserve.kernels.cuda_mma_source import mma_source
-from kvserve.kernels.reference import attend_blockwise, format_key
+from kvserve.kernels.reference import attend_dense, format_key
 
 HEAD_DIMS = (64, 128, 256)
 MAX_L = 16  # decode and short chunks; longer prompts are compute-bound: the reference's matmuls
@@ -259,8 +259,8 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
                 values: tuple[mx.array, ...], scale: float, mask: Any,
                 key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
     """Attention of (B, H_q, L, D) queries over stored K/V parts (B, H_kv, T, W): the
-    fused kernels where they apply, else the blockwise reference. Returns the queries'
-    dtype, (B, H_q, L, D). ``sinks`` (H_q,) join the merge's softmax (``merge_body``).
+    fused kernels where they apply, else the dense reference (``attend_dense``). Returns
+    the queries' dtype, (B, H_q, L, D). ``sinks`` (H_q,) join the merge's softmax (``merge_body``).
 
     A decode step calls this once per layer with the same shapes but T, so what does not
     depend on T (formats, layouts, which pass, its compiled kernel and constants) is
@@ -276,8 +276,9 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
         fam = _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale)
     if fam is None or T == 0 or T > MAX_ELEMS - TT or any(a.shape[2] != T for a in (*keys, *values)) \
             or not _mask_fits(mask, queries.shape, T):
-        return attend_blockwise(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale,
-                                sinks=sinks)
+        # The GPU's reference path: the blockwise walk evaluates between blocks, which would
+        # stall a decode step queued ahead on every layer.
+        return attend_dense(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale, sinks=sinks)
     kl, vl, kind = fam.kl, fam.vl, fam.mask_kind
     mask_in = [starts] if kind == 5 else [mask4(mask)] if kind >= 2 else []
     if fam.mma is not None:

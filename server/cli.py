@@ -84,6 +84,9 @@ def _engine_arguments(serve: argparse.ArgumentParser) -> None:
                                              "tokenizer (directory, .gguf or name, as --model)")
     serve.add_argument("--num-draft-tokens", type=int,
                        help="proposed tokens a request verifies per step (default 4, at most 15)")
+    serve.add_argument("--warmup", choices=["auto", "on", "off"],
+                       help="serve a batch of requests to the engine before /health says ready, so "
+                            "no request waits on a kernel compile (default auto: on a GPU)")
     serve.add_argument("--distributed", action="store_true", default=None,
                        help="split the model across the processes mlx.launch started (tensor "
                             "parallel, or a pipeline of layers): rank 0 serves HTTP, every rank "
@@ -131,6 +134,7 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "engine.num_draft_tokens": args.num_draft_tokens,
         "engine.draft_model": args.draft_model,
         "engine.distributed": args.distributed,
+        "engine.warmup": args.warmup,
     })
 
 
@@ -153,6 +157,7 @@ def _progress(line: str) -> None:
 
 
 def serve(config: ServerConfig) -> int:
+    started = time.monotonic()
     if config.engine.distributed:
         _share_cores()
     # Before anything large is allocated: freed large buffers must go back to the OS, not
@@ -166,6 +171,7 @@ def serve(config: ServerConfig) -> int:
     blas = enable_fast_blas()
     import uvicorn
 
+    from kvserve.server.engine.device import choose_profile
     from kvserve.server.engine.loop import Engine
     from kvserve.server.engine.model_loader import make_loader
     from kvserve.server.http.app import create_app
@@ -176,13 +182,18 @@ def serve(config: ServerConfig) -> int:
         scheme = parse_scheme(config.cache.kv_scheme)
     except UnknownScheme as exc:
         raise ConfigError(str(exc)) from None
+    device = choose_profile(config.model.resolved_cache_dir(), config.engine.warmup)
+    _progress(f"device: {device.describe()}")
     group = _join_group() if config.engine.distributed else None
     if group is not None and group.rank() != 0:
-        return _follow(config, scheme, blas.describe(), group)
+        return _follow(config, scheme, blas.describe(), group, device)
     engine = Engine(make_loader(config.model, scheme, blas.describe(), _progress, config.cache,
-                                config.engine.speculative, group, config.engine.draft_model), config.engine)
+                                config.engine.speculative, group, config.engine.draft_model, device), config.engine)
     loaded = engine.start()
     _progress(f"serving {loaded.info.describe()}")
+    if engine.warmup is not None:
+        _progress(engine.warmup.describe())
+    _progress(f"ready in {time.monotonic() - started:.1f} s")
     _progress(f"KV memory: {engine.kv_budget.describe()}")
     _progress(f"listening on http://{config.http.host}:{config.http.port}")
     # uvicorn re-raises the signals it caught under the handler installed before it started:
@@ -261,12 +272,13 @@ def _join_group():
     return group
 
 
-def _follow(config: ServerConfig, scheme, blas: str, group) -> int:
+def _follow(config: ServerConfig, scheme, blas: str, group, device) -> int:
     """Ranks other than 0: load this rank's shard and run the plans rank 0 sends."""
     from kvserve.server.engine.distributed import Channel, follow
     from kvserve.server.engine.model_loader import load_model
 
-    loaded = load_model(config.model, scheme, blas, _progress, config.cache, config.engine.speculative, group)
+    loaded = load_model(config.model, scheme, blas, _progress, config.cache, config.engine.speculative, group,
+                        device=device)
     _progress(f"rank {group.rank()}: following rank 0 with {loaded.info.describe()}")
 
     def lost(reason: str) -> None:  # the main thread may be blocked for good on the dead peer

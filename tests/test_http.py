@@ -39,6 +39,8 @@ def test_models_and_health(server, client, model_id):
     assert model_id == "tiny-llama"
     card = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]
     assert card["context_length"] == 512 and card["weight_format"] and card["blas"]
+    on_cpu = {"backend": "cpu", "rewrites": ["table_rope", "cpu_ops"], "warmup": False}
+    assert card["device"] == on_cpu or (on_gpu() and card["device"]["rewrites"] == [] and card["device"]["warmup"])
     assert httpx.get(f"{server.base_url}/health").json()["status"] == "ok"
 
 

@@ -56,7 +56,7 @@ TOKENS = mx.array([[3, 17, 99, 5, 200, 42, 7, 1]])
 
 # The shim is in this process only when a test before these enabled it (after mlx came, by
 # the PLT slot): dense-f32+codes is tested in test_packed.py, in processes of its own.
-IN_PROCESS = tuple(f for f in weights.FORMATS if f != weights.DENSE_CODES)
+IN_PROCESS = tuple(f for f in weights.FORMATS if f not in (weights.DENSE_CODES, weights.HALF))
 
 
 def _with_shim() -> set[str]:
@@ -68,6 +68,19 @@ def test_format_logits_match_as_loaded(fmt):
     ref = tiny_model()(TOKENS)
     model = weights.apply_weight_format(tiny_model(), fmt)
     assert close(model(TOKENS), ref)
+
+
+def test_half_keeps_the_codes_and_computes_in_the_models_half_dtype():
+    """A GPU's format: the float32 norms in float16, as the scales are, so activations stay
+    float16; the 4-bit codes are untouched and the logits agree within float16 rounding."""
+    ref = tiny_model()(TOKENS)
+    model = weights.apply_weight_format(tiny_model(), weights.HALF)
+    floating = {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
+    assert floating == {mx.float16} and weights.half_dtype(model) is None
+    logits = model(TOKENS)
+    assert logits.dtype == mx.float16 and ref.dtype == mx.float32
+    a, b = np.array(logits.astype(mx.float32)), np.array(ref)
+    assert float(np.abs(a - b).max()) <= 2e-2 * float(np.abs(b).max())
 
 
 def test_dense_f32_replaces_every_quantized_module():

@@ -185,6 +185,20 @@ def install_cpu_ops(model: nn.Module) -> int:
     return count
 
 
+def apply_rewrites(model: nn.Module, rewrites: tuple[str, ...], context: int = 0) -> dict[str, int]:
+    """Apply the named rewrites (a device profile's ``rewrites``: "table_rope", "cpu_ops")
+    to ``model``; returns how many modules each replaced.
+
+        >>> apply_rewrites(nn.Sequential(nn.RoPE(8)), ())
+        {}
+    """
+    installers = {"table_rope": lambda: install_table_rope(model, context), "cpu_ops": lambda: install_cpu_ops(model)}
+    unknown = set(rewrites) - set(installers)
+    if unknown:
+        raise ValueError(f"unknown rewrites {sorted(unknown)}; known: {sorted(installers)}")
+    return {name: installers[name]() for name in rewrites}
+
+
 def last_logits(model: nn.Module, tokens: mx.array, cache) -> mx.array:
     """Logits of the last position only, shape (B, vocab), for ``tokens`` of
     shape (B, L); extends ``cache`` exactly as ``model(tokens, cache=cache)``.

@@ -24,6 +24,7 @@ from kvserve.server.engine.metrics import EngineMetrics
 from kvserve.server.engine.output import OutputState, StopMatcher
 from kvserve.server.engine.request import FinishReason, Request, RequestStatus, TokenEvent, Usage
 from kvserve.server.engine.scheduler import QueueFull, Scheduler, StepPlan, StepResult
+from kvserve.server.engine.warmup import WarmupReport, is_warmup
 
 log = logging.getLogger("kvserve.engine")
 
@@ -48,6 +49,7 @@ class LoadedModel:
     info: Any  # ModelInfo
     grammars: Any = None  # Grammars: structured output for this tokenizer
     kv_token_bytes: int = 0  # what one token adds to a request's KV cache (kv_memory.token_bytes)
+    device: Any = None  # DeviceProfile: what serves on this device (device.py)
 
 
 @dataclass
@@ -83,6 +85,7 @@ class Engine:
                                    config.num_draft_tokens if config.speculative != "off" else 0)
         self._live: dict[str, _Live] = {}
         self.metrics = EngineMetrics(kv_scheme="")  # named once the model (and scheme) loaded
+        self.warmup: WarmupReport | None = None  # what the warm-up ran, where the device has one
 
     # ---- called from other threads -------------------------------------------------
     def start(self) -> LoadedModel:
@@ -164,6 +167,8 @@ class Engine:
             return
         self.kv_budget = kv_budget(self.config.kv_memory, self.model.kv_token_bytes)
         self.scheduler.max_kv_tokens = self.kv_budget.tokens
+        if self.model.device is not None and self.model.device.warmup:
+            self._warm_up()
         self.metrics.kv_budget_bytes = self.kv_budget.bytes
         self.metrics.kv_scheme = self.model.info.kv_scheme
         self.metrics.memory = self.model.runner.memory
@@ -182,28 +187,60 @@ class Engine:
         while not (stopping and not self.scheduler.has_work):
             stopping |= self._drain_inbox(block=not self.scheduler.has_work and not stopping)
             self._expire_waiting(time.monotonic())
-            plan = self.scheduler.schedule()
-            if plan.empty:
-                if self.scheduler.running:  # requests no step can advance: never spin on them
-                    log.error("engine: no step can advance %d running request(s)", len(self.scheduler.running))
-                    self._fail_running("engine error: the request could not be scheduled")
-                self._observe_idle()
-                continue
-            started = self._busy_since = time.monotonic()
-            try:
-                result = self.model.runner.execute(plan)
-            except EngineDown:
-                raise
-            except Exception as exc:  # fail the step's requests, keep serving others
-                log.exception("engine step failed")
-                self._fail_running(f"engine error: {type(exc).__name__}: {exc}")
-                continue
-            finally:
-                self._busy_since = None
-            self.metrics.step.observe(time.monotonic() - started)
-            self.scheduler.commit(result)
-            self._emit(result)
-            self._observe(plan, result)
+            self._step()
+
+    def _step(self) -> StepPlan | None:
+        """Schedule and run one step; the plan it ran, or None."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            if self.scheduler.running:  # requests no step can advance: never spin on them
+                log.error("engine: no step can advance %d running request(s)", len(self.scheduler.running))
+                self._fail_running("engine error: the request could not be scheduled")
+            self._observe_idle()
+            return None
+        started = self._busy_since = time.monotonic()
+        try:
+            result = self.model.runner.execute(plan)
+        except EngineDown:
+            raise
+        except Exception as exc:  # fail the step's requests, keep serving others
+            log.exception("engine step failed")
+            self._fail_running(f"engine error: {type(exc).__name__}: {exc}")
+            return None
+        finally:
+            self._busy_since = None
+        self.metrics.step.observe(time.monotonic() - started)
+        self.scheduler.commit(result)
+        self._emit(result)
+        self._observe(plan, result)
+        return plan
+
+    def _warm_up(self) -> None:
+        """Serve ``warmup_requests`` to this engine before it says ready, through the same
+        steps as any request; the prefix cache keeps none of them, the metrics count none."""
+        from kvserve.server.engine.device import kernel_files
+        from kvserve.server.engine.warmup import warmup_requests, warmup_tokens
+
+        device = self.model.device
+        report, kernels, started = WarmupReport(), kernel_files(device), time.monotonic()
+        errors: list[str] = []
+        for request in warmup_requests(self.scheduler.max_running, self.config.prefill_step_size,
+                                       warmup_tokens(self.model.tokenizer), self.model.info.context_length,
+                                       self.config.max_step_tokens):
+            self._inflight += 1
+            self._admit(request, lambda event: errors.append(event.error) if event.error else None)
+        while self.scheduler.has_work:
+            plan = self._step()
+            if plan is not None:
+                report.steps += 1
+                report.prefill_chunks += len(plan.prefill)
+                if plan.decode:
+                    report.batch_sizes.add(len(plan.decode))
+        report.seconds, report.compiled = time.monotonic() - started, kernel_files(device) - kernels
+        report.error = errors[0] if errors else ""
+        self.warmup = report
+        self.metrics = EngineMetrics(kv_scheme="")
+        (log.error if report.error else log.info)("%s", report.describe())
 
     def _go_down(self, reason: str) -> None:
         """Fail every request, running, waiting or still in the inbox; refuse new ones."""
@@ -312,7 +349,8 @@ class Engine:
         live = self._live.pop(request.request_id)
         self.scheduler.finish(request, reason)
         # A finished prompt + reply is the start of a chat's next turn: offer it for reuse.
-        self.model.runner.release(request.request_id, keep=reason in (FinishReason.STOP, FinishReason.LENGTH))
+        keep = reason in (FinishReason.STOP, FinishReason.LENGTH) and not is_warmup(request.request_id)
+        self.model.runner.release(request.request_id, keep=keep)
         with self._lock:
             self._inflight -= 1
         self.metrics.finished[reason.value] += 1

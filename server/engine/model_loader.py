@@ -15,6 +15,7 @@ from typing import Callable
 
 from kvserve.cache.scheme import KVScheme
 from kvserve.configs import CacheConfig, ModelConfig
+from kvserve.server.engine.device import DeviceProfile, choose_profile
 from kvserve.server.engine.loop import LoadedModel
 from kvserve.server.models.errors import ModelLoadError
 from kvserve.server.models.load import load_bundle, model_id_for
@@ -24,14 +25,16 @@ log = logging.getLogger("kvserve.engine")
 
 def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
                 progress: Callable[[str], None] | None = None, cache: CacheConfig | None = None,
-                speculative: str = "off", group=None, draft_model: str | None = None):
+                speculative: str = "off", group=None, draft_model: str | None = None,
+                device: DeviceProfile | None = None):
     """Returns a zero-argument loader for ``Engine``; ``blas`` describes the active BLAS;
     ``cache`` sizes the prefix cache (None: no prefix cache); ``speculative`` the proposer
     ("off", "ngram", or "draft" with ``draft_model``); ``group``: rank 0 of a model split
-    across processes (its runner leads the others)."""
+    across processes (its runner leads the others); ``device``: the device profile (None:
+    chosen for MLX's default device)."""
 
     def load() -> LoadedModel:
-        loaded = load_model(config, scheme, blas, progress, cache, speculative, group, draft_model)
+        loaded = load_model(config, scheme, blas, progress, cache, speculative, group, draft_model, device)
         if group is None:
             return loaded
         from kvserve.server.engine.distributed import Channel, LeaderRunner
@@ -44,9 +47,10 @@ def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
 def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                progress: Callable[[str], None] | None = None,
                cache: CacheConfig | None = None, speculative: str = "off", group=None,
-               draft_model: str | None = None) -> LoadedModel:
-    """The model (this rank's shard of it with ``group``), its runner and prefix cache."""
-    from kvserve.server.engine.fastpath import install_cpu_ops, install_table_rope
+               draft_model: str | None = None, device: DeviceProfile | None = None) -> LoadedModel:
+    """The model (this rank's shard of it with ``group``), its runner and prefix cache, with
+    the rewrites of the ``device`` profile (None: chosen for MLX's default device)."""
+    from kvserve.server.engine.fastpath import apply_rewrites
     from kvserve.server.engine.kv_memory import token_bytes
     from kvserve.server.engine.grammar import Grammars
     from kvserve.server.engine.runner import ModelRunner
@@ -55,8 +59,8 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     bundle = load_bundle(config, kv_scheme=scheme.name, blas=blas, progress=progress,
                          check=lambda model: _check_servable(model, scheme, model_id_for(config.model, config.model)),
                          group=group)
-    install_table_rope(bundle.model, bundle.info.context_length)
-    install_cpu_ops(bundle.model)
+    device = device or choose_profile(config.resolved_cache_dir())
+    apply_rewrites(bundle.model, device.rewrites, bundle.info.context_length)
     layout = _layout(bundle.model, scheme)
     if speculative != "off" and _state_beside_attention(layout):
         raise ModelLoadError(f"speculative decoding needs layers that can drop rejected tokens row by row; "
@@ -74,20 +78,20 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     grammars = Grammars(bundle.tokenizer, bundle.info.vocab_size)
     proposer = NgramProposer() if speculative == "ngram" else None
     if speculative == "draft":
-        proposer = load_draft(replace(config, model=draft_model), bundle, scheme, blas, progress)
+        proposer = load_draft(replace(config, model=draft_model), bundle, scheme, blas, progress, device)
     runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, proposer)
     return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars,
-                       kv_token_bytes=token_bytes(bundle.model, scheme))
+                       kv_token_bytes=token_bytes(bundle.model, scheme), device=device)
 
 
 def load_draft(config: ModelConfig, target, scheme: KVScheme, blas: str,
-               progress: Callable[[str], None] | None = None):
+               progress: Callable[[str], None] | None = None, device: DeviceProfile | None = None):
     """The draft model of ``--speculative draft`` as a ``DraftProposer``: loaded like the
     served model (``target``, a ``ModelBundle``), refused in one line when its tokenizer
     maps tokens to other ids than the served one's, or when its layers cannot drop the
     proposals the served model rejects."""
     from kvserve.server.engine.draft import DraftProposer, relative_cost
-    from kvserve.server.engine.fastpath import install_cpu_ops, install_table_rope
+    from kvserve.server.engine.fastpath import apply_rewrites
 
     name = model_id_for(config.model, config.model)
     draft = load_bundle(config, kv_scheme=scheme.name, blas=blas, progress=progress,
@@ -99,8 +103,8 @@ def load_draft(config: ModelConfig, target, scheme: KVScheme, blas: str,
     if "state" in layout:
         raise ModelLoadError(f"draft model {name} has recurrent-state layers ({layout}): they cannot "
                              f"drop the proposals the served model rejects")
-    install_table_rope(draft.model, draft.info.context_length)
-    install_cpu_ops(draft.model)
+    device = device or choose_profile(config.resolved_cache_dir())
+    apply_rewrites(draft.model, device.rewrites, draft.info.context_length)
     cost = relative_cost(draft.model, target.model, scheme)
     log.info("draft model %s: a decode step costs %.2f of the served model's", draft.info.describe(), cost)
     return DraftProposer(draft.model, scheme, cost, vocab=target.info.vocab_size or None)

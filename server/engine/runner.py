@@ -54,6 +54,7 @@ from kvserve.server.engine.request import Request
 from kvserve.server.engine.sampler import Draw, Pick, RequestSampler, agreed, draw_rows, sample_rows
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
 from kvserve.server.engine.speculation import Proposer, Speculator
+from kvserve.server.engine.warmup import is_warmup
 
 
 log = logging.getLogger(__name__)
@@ -348,8 +349,8 @@ class ModelRunner:
         cache.quantize_after = 0  # every token is in the scheme now, as if it started there
         if self.prefix is not None:
             for i, r in enumerate(requests):
-                row = cache.extract(i) if cache.is_batch else cache
-                self._offer(r.prompt_tokens, row)
+                if not is_warmup(r.request_id):  # the engine's own warm-up is not worth keeping
+                    self._offer(r.prompt_tokens, cache.extract(i) if cache.is_batch else cache)
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> dict[str, Pick]:
         """Whole prompts in one left-padded forward (a larger matmul per weight read than

@@ -61,6 +61,8 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
         card = {"id": info.model_id, "object": "model", "created": created, "owned_by": "kvserve",
                 "context_length": info.context_length, "weight_format": info.weight_format,
                 "blas": info.blas, "kv_scheme": info.kv_scheme}
+        if model.device is not None:
+            card["device"] = model.device.card()
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")

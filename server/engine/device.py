@@ -1,0 +1,112 @@
+"""The device profile: what serves on the device this process computes on, chosen once at
+start-up, logged, and shown in ``/v1/models``.
+
+kvserve's CPU speed comes from rewrites of the model made for the CPU (``fastpath``: a
+RoPE from a shared cos/sin table, norms, linears and SwiGLU as one CPU operation each). On
+a GPU MLX's ``mx.fast`` kernels already do that work, and the table RoPE is slower there
+(a served run on an H200 gave TPOT 43 ms without it, 47 with it), so a GPU profile keeps
+the model's own modules. A GPU also compiles kernels at first use (NVRTC on CUDA, the
+first call of each fused attention kernel checks itself against the reference): its
+profile warms the engine up before the server says ready, and keeps compiled kernels in
+a directory under the cache dir so a restarted server reuses them.
+
+    >>> p = profile_for("cpu")
+    >>> p.rewrites, p.warmup, p.describe()
+    (('table_rope', 'cpu_ops'), False, 'cpu: rewrites table_rope, cpu_ops; no warm-up')
+    >>> g = profile_for("cuda", kernel_cache="/c/kernels/mlx-0.32.4/sm_90")
+    >>> g.rewrites, g.warmup, g.describe()
+    ((), True, 'cuda: no rewrites; warm-up before ready; kernels kept in /c/kernels/mlx-0.32.4/sm_90')
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# The MLX CUDA backend reads its compiled-kernel folder from here at its first compile.
+KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"
+CPU_REWRITES = ("table_rope", "cpu_ops")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """``backend``: "cpu", "cuda" or "metal"; ``rewrites``: the ``fastpath`` rewrites
+    applied to the model; ``warmup``: serve every kernel once before ready;
+    ``kernel_cache``: where compiled kernels persist ("" where the device compiles none
+    that MLX keeps)."""
+
+    backend: str
+    rewrites: tuple[str, ...]
+    warmup: bool
+    kernel_cache: str = ""
+
+    @property
+    def gpu(self) -> bool:
+        return self.backend != "cpu"
+
+    def describe(self) -> str:
+        rewrites = f"rewrites {', '.join(self.rewrites)}" if self.rewrites else "no rewrites"
+        warm = "warm-up before ready" if self.warmup else "no warm-up"
+        kept = f"; kernels kept in {self.kernel_cache}" if self.kernel_cache else ""
+        return f"{self.backend}: {rewrites}; {warm}{kept}"
+
+    def card(self) -> dict:
+        """The profile as ``/v1/models`` shows it."""
+        return {"backend": self.backend, "rewrites": list(self.rewrites), "warmup": self.warmup}
+
+
+def profile_for(backend: str, warmup: str = "auto", kernel_cache: str = "") -> DeviceProfile:
+    """The profile of ``backend``; ``warmup`` "on"/"off" overrides the device's default
+    ("auto": on where kernels compile at first use, i.e. on a GPU)."""
+    on_gpu = backend != "cpu"
+    warm = on_gpu if warmup == "auto" else warmup == "on"
+    return DeviceProfile(backend, () if on_gpu else CPU_REWRITES, warm, kernel_cache if on_gpu else "")
+
+
+def choose_profile(cache_dir: Path, warmup: str = "auto") -> DeviceProfile:
+    """The profile of MLX's default device. On CUDA this also points MLX's compiled-kernel
+    cache at ``cache_dir/kernels/mlx-<version>/<device>`` (one folder per MLX version and
+    device: a kernel compiled for one architecture must not load on another), unless the
+    operator set ``MLX_PTX_CACHE_DIR``; call it before the first kernel compiles."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.gpu:
+        return profile_for("cpu", warmup)
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return profile_for("metal", warmup)
+    folder = os.environ.get(KERNEL_CACHE_ENV)
+    if not folder:
+        folder = str(cache_dir / "kernels" / f"mlx-{mx.__version__}" / _device_tag())
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        os.environ[KERNEL_CACHE_ENV] = folder
+    return profile_for("cuda", warmup, folder)
+
+
+def kernel_files(profile: DeviceProfile) -> int:
+    """Compiled kernels in the profile's cache folder: each compile at run time adds files,
+    so a count that does not grow while requests are served shows none waited on one."""
+    if not profile.kernel_cache or not Path(profile.kernel_cache).is_dir():
+        return 0
+    return sum(1 for _ in Path(profile.kernel_cache).iterdir())
+
+
+def _device_tag() -> str:
+    """A folder name for this GPU: its architecture where MLX reports it, else its name.
+
+        >>> _clean("NVIDIA H200 / sm_90")
+        'NVIDIA_H200_sm_90'
+    """
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+    except Exception:  # older MLX: no device_info
+        info = {}
+    tag = str(info.get("architecture") or info.get("device_name") or "gpu")
+    return _clean(tag)
+
+
+def _clean(tag: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", tag).strip("_") or "gpu"

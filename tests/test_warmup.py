@@ -1,0 +1,130 @@
+"""The device profile and the warm-up: which model rewrites serve on which device, and an engine
+that serves a batch to itself before it says ready, then answers as a cold one."""
+
+from __future__ import annotations
+
+import queue
+
+import mlx.nn as nn
+import pytest
+
+from kvserve.cache import parse_scheme
+from kvserve.configs import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from kvserve.server.engine.device import CPU_REWRITES, profile_for
+from kvserve.server.engine.fastpath import TableRoPE
+from kvserve.server.engine.loop import Engine
+from kvserve.server.engine.model_loader import load_model, make_loader
+from kvserve.server.engine.request import Request, SamplingParams
+from kvserve.server.engine.warmup import warmup_requests
+
+
+def _ropes(model) -> set[type]:
+    return {type(m) for _, m in model.named_modules() if isinstance(m, (nn.RoPE, TableRoPE))}
+
+
+@pytest.mark.parametrize("backend, rope", [("cpu", TableRoPE), ("cuda", nn.RoPE), ("metal", nn.RoPE)])
+def test_each_device_gets_its_own_rewrites(tiny_model_dir, tmp_path, backend, rope):
+    """The CPU's table RoPE (slower on a GPU, where mx.fast.rope is one kernel) is installed
+    only by the CPU profile; a GPU profile keeps the model's own modules."""
+    device = profile_for(backend)
+    loaded = load_model(ModelConfig(model=str(tiny_model_dir), cache_dir=str(tmp_path), weight_format="as-loaded"),
+                        parse_scheme("fp16"), "test", device=device)
+    assert _ropes(loaded.runner.model) == {rope}
+    assert loaded.device is device
+    assert device.rewrites == (CPU_REWRITES if backend == "cpu" else ())
+    assert device.warmup is (backend != "cpu")
+
+
+def test_warmup_setting_overrides_the_device_default():
+    assert [profile_for("cpu", w).warmup for w in ("auto", "on", "off")] == [False, True, False]
+    assert [profile_for("cuda", w).warmup for w in ("auto", "on", "off")] == [True, True, False]
+    with pytest.raises(ConfigError, match="engine.warmup must be auto, on or off"):
+        EngineConfig(warmup="always")
+
+
+def test_warmup_requests_fit_the_context_and_leave_one_step_apart():
+    rows = warmup_requests(8, prefill_step_size=256, tokens=[5, 6], context=512, step_tokens=256)
+    assert [len(r.prompt_tokens) for r in rows] == [5, 133, 261, 389, 495, 495, 495, 495]
+    # 2,768 prompt tokens at 248 a step (8 go to decoding rows): 12 steps, one more to spare
+    assert [r.params.max_tokens for r in rows] == list(range(14, 22))
+
+
+def _engine(model_dir, cache_dir, warmup: str) -> Engine:
+    config = EngineConfig(max_batch_size=4, prefill_step_size=16, warmup=warmup)
+    load = make_loader(ModelConfig(model=str(model_dir), cache_dir=str(cache_dir), weight_format="as-loaded"),
+                       parse_scheme("turbo0v4"), "test", cache=CacheConfig(prompt_cache_ram_gb=0.1,
+                                                                          prompt_cache_disk_gb=0.1),
+                       device=profile_for("cpu", warmup))
+    engine = Engine(load, config)
+    engine.start()
+    return engine
+
+
+def _greedy(engine: Engine, prompt: list[int]) -> list[int]:
+    events: queue.Queue = queue.Queue()
+    engine.submit(Request(prompt, SamplingParams(max_tokens=6, temperature=0.0)), events.put)
+    tokens = []
+    while True:
+        event = events.get(timeout=60)
+        tokens += event.token_ids
+        if event.finish_reason is not None:
+            return tokens
+
+
+def test_a_warmed_up_engine_keeps_nothing_and_answers_as_a_cold_one(tiny_model_dir, tmp_path):
+    """The warm-up decodes at every batch size from the full batch down to one; afterwards
+    no request, KV byte, prefix entry or metric remains of it, and a request's greedy
+    tokens are those of an engine that never warmed up."""
+    warm, cold = _engine(tiny_model_dir, tmp_path / "warm", "on"), _engine(tiny_model_dir, tmp_path / "cold", "off")
+    try:
+        report = warm.warmup
+        assert cold.warmup is None
+        assert report.error == "" and report.batch_sizes == {1, 2, 3, 4} and report.prefill_chunks >= 4
+        runner = warm.model.runner
+        assert (warm.inflight, runner.live_requests, runner.kv_bytes) == (0, 0, 0)
+        assert runner.prefix.stats()["entries"] == 0
+        assert (warm.metrics.generated_tokens, warm.metrics.prompt_tokens) == (0, 0)
+        prompt = list(range(100, 140))
+        assert _greedy(warm, prompt) == _greedy(cold, prompt)
+        assert warm.metrics.generated_tokens == 6
+    finally:
+        warm.stop(30)
+        cold.stop(30)
+
+
+def _on_cuda() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@pytest.mark.skipif(not _on_cuda(), reason="counts the kernels MLX's CUDA backend compiles")
+@pytest.mark.parametrize("scheme", ["fp16", "affine4"])
+def test_no_served_request_waits_on_a_kernel_compile(default_model_dir, tmp_path, scheme):
+    """The default model on a GPU with an empty kernel folder: the warm-up compiles what the
+    server will call (the folder fills before /health says ready), and a burst of requests
+    afterwards (8 at once of different lengths, greedy and sampled, with logprobs, then one
+    alone) compiles nothing more."""
+    import httpx
+
+    from servers import ServerProcess
+    from together import together
+
+    kernels = tmp_path / "kernels"
+    proc = ServerProcess(default_model_dir, "--kv-scheme", scheme, "--cache-dir", str(tmp_path),
+                         env={"MLX_PTX_CACHE_DIR": str(kernels)}).wait_ready()
+    try:
+        compiled = sorted(p.name for p in kernels.iterdir())
+        assert compiled, "the warm-up compiled nothing"
+
+        def ask(i: int):
+            body = {"model": "default", "max_tokens": 12 + i, "temperature": 0.7 * (i % 2),
+                    "logprobs": i == 3, "top_logprobs": 2 if i == 3 else None,
+                    "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + 9 * i)}]}
+            return lambda: httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=120)
+
+        replies = together([ask(i) for i in range(8)]) + [ask(2)()]
+        assert [r.status_code for r in replies] == [200] * 9
+        assert sorted(p.name for p in kernels.iterdir()) == compiled
+    finally:
+        assert proc.stop() == 0, proc.output()
