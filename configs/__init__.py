@@ -144,8 +144,14 @@ class HTTPConfig:
     # A stream with nothing to send (queued, or a long prefill) gets an SSE comment this
     # often, so proxies that close idle connections (often after 30-60 s) keep it open.
     sse_keepalive_s: float = 15.0
+    # Names a request's ``model`` may take besides the model's own id and "default", shell-
+    # style patterns allowed ("claude-*", "*"): agent clients send the name their config holds.
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        _require(all(isinstance(n, str) and n for n in self.served_model_names),
+                 "http.served_model_names must be non-empty strings")
         _require(0 <= self.port <= 65535, f"http.port must be in 0..65535, got {self.port}")
         _require(self.api_key is None or len(self.api_key) >= 8,
                  "http.api_key must have at least 8 characters")

@@ -101,6 +101,9 @@ def _http_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     serve.add_argument("--cors-origins", help="comma-separated origins browsers may call from "
                                               "(default: none, CORS off)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="more names a request's model may take (shell-style patterns: "
+                            "'claude-*', '*'); replies carry the name the request used")
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
     serve.add_argument("--drain-timeout", type=float,
                        help="seconds in-flight requests may run after SIGTERM before they are "
@@ -119,6 +122,7 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "http.cors_origins": None if args.cors_origins is None
         else tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         "http.max_body_bytes": args.max_body_bytes,
+        "http.served_model_names": None if args.served_model_name is None else tuple(args.served_model_name),
         "http.drain_timeout_s": args.drain_timeout,
         "cache.kv_scheme": args.kv_scheme,
         "cache.prompt_cache_ram_gb": args.prompt_cache_ram_gb,

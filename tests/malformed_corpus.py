@@ -86,7 +86,7 @@ def _field_matrix() -> list[Case]:
         ("min_p", [-0.1, 1.1, "x"]),
         ("presence_penalty", [-2.1, 2.1, "x"]),
         ("frequency_penalty", [-2.1, 2.1, None]),
-        ("max_tokens", [0, -1, -(2**63), 2**64, 1e309, 100_000, "10", 1.5]),
+        ("max_tokens", [0, -1, -(2**63), 1e309, "10", 1.5]),  # a large one is capped: test_http.py
         ("n", [0, -1, 129, 10**6, 10**30, "2", None]),
         ("seed", [2**64, -(2**63) - 1, 10**40, "7", 1.5]),
         ("stream", ["yes", 2, [True]]),
@@ -127,7 +127,6 @@ def _chat_specific() -> list[Case]:
         Case("chat-n-128", CHAT, chat(n=128), 400, "n"),
         Case("chat-too-long", CHAT, chat(messages=[{"role": "user", "content": "word " * 600}]), 400,
              "messages", "context_length_exceeded"),
-        Case("chat-prompt-plus-max-tokens", CHAT, chat(max_tokens=510), 400, "max_tokens", "context_length_exceeded"),
     ]
 
 
@@ -153,8 +152,6 @@ def _completion_specific() -> list[Case]:
              "context_length_exceeded"),
         Case("completion-too-long-ids", COMPLETIONS, completion(prompt=[1] * 512), 400, "prompt",
              "context_length_exceeded"),
-        Case("completion-max-tokens-past-context", COMPLETIONS, completion(prompt=[1] * 500, max_tokens=13),
-             400, "max_tokens", "context_length_exceeded"),
         Case("completion-unknown-model", COMPLETIONS, completion(model="gpt-4"), 404, "model", "model_not_found"),
         Case("completion-huge-model-name", COMPLETIONS, completion(model="m" * 100_000), 404, "model",
              "model_not_found"),

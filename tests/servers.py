@@ -99,6 +99,22 @@ def random_llama(seed: int):
     return model
 
 
+def wait_for(condition, what: str, timeout: float = 120.0, every: float = 0.05) -> None:
+    """Poll ``condition()`` until it is true; fail naming ``what`` after ``timeout`` seconds.
+    The timeout only bounds a hang: a slower machine waits longer, it never fails sooner."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting after {timeout:g} s for {what}")
+        time.sleep(every)
+
+
+def wait_idle(base_url: str) -> None:
+    """Until the server holds no request (``/health``'s ``inflight``)."""
+    wait_for(lambda: httpx.get(f"{base_url}/health", timeout=30).json()["inflight"] == 0,
+             f"{base_url} to hold no request")
+
+
 def wait_healthy(base_url: str, exited, timeout: float) -> bool:
     """Poll ``/health`` until it answers 200 (True), ``exited()`` or the time is up (False)."""
     deadline = time.monotonic() + timeout

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from servers import ServerProcess
+from servers import ServerProcess, wait_idle
 from together import together
 
 from kvserve.bench.soak import metrics, rss_bytes
@@ -27,14 +26,6 @@ def leave_after_tokens(base_url: str, tokens: int) -> int:
                 if seen >= tokens:
                     return seen
     return seen
-
-
-def wait_idle(base_url: str) -> None:
-    for _ in range(300):
-        if httpx.get(f"{base_url}/health").json()["inflight"] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("requests still in flight")
 
 
 def abort_streams(base_url: str, count: int) -> list[int]:

@@ -221,7 +221,7 @@ def stub_http(api_key: str):
 
     info = SimpleNamespace(model_id="stub", context_length=64, weight_format="-", blas="-", kv_scheme="fp16",
                            vocab_size=100)
-    engine = SimpleNamespace(model=SimpleNamespace(info=info, tokenizer=None), inflight=0,
+    engine = SimpleNamespace(model=SimpleNamespace(info=info, tokenizer=None, device=None), inflight=0,
                              config=SimpleNamespace(max_tokens=8, max_tokens_limit=16, max_batch_size=8),
                              metrics=SimpleNamespace(render=lambda: ""), health=lambda: (True, "ok"))
     return TestClient(create_app(engine, HTTPConfig(api_key=api_key)), raise_server_exceptions=False)

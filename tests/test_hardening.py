@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from malformed_corpus import ANY, CORPUS, Case
-from servers import ServerProcess, make_tiny_llama
+from servers import ServerProcess, make_tiny_llama, wait_for
 
 from kvserve.bench.soak import metrics
 
@@ -176,7 +175,7 @@ class StubEngine:
     def __init__(self, healthy: tuple[bool, str] = (True, "ok")):
         info = SimpleNamespace(model_id="stub", context_length=64, weight_format="-", blas="-",
                                kv_scheme="fp16", vocab_size=100)
-        self.model = SimpleNamespace(info=info, tokenizer=None)
+        self.model = SimpleNamespace(info=info, tokenizer=None, device=None)
         self.config = SimpleNamespace(max_tokens=8, max_tokens_limit=16, max_batch_size=8)
         self.inflight, self._health = 0, healthy
         self.metrics = SimpleNamespace(render=lambda: "kvserve_requests_running 0\n")
@@ -318,7 +317,7 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_work(tiny_8k_
         results, started, threads = start_streams(proc.base_url, 8, 1500)
         assert all(e.wait(60) for e in started)  # all 8 are decoding
         proc.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        wait_for(lambda: httpx.get(f"{proc.base_url}/health").status_code == 503, "the server to start draining")
         refused = httpx.post(f"{proc.base_url}/v1/completions", json={"model": "default", "prompt": "x"})
         assert assert_openai_error(refused, 503)["code"] == "server_draining"
         assert httpx.get(f"{proc.base_url}/health").status_code == 503
@@ -353,11 +352,10 @@ def test_drain_timeout_aborts_what_is_left_with_a_finish_reason(tiny_8k_dir, tmp
                          "--drain-timeout", "0.5").wait_ready()
     try:
         results, started, threads = start_streams(proc.base_url, 3, 8000)
-        deadline = time.monotonic() + 60
         # SIGTERM once one runs and the server holds all three: a request still on its way
         # when the drain begins is refused (503), which is another test's case.
-        while time.monotonic() < deadline and not (any(e.is_set() for e in started) and _held(proc.base_url) == 3):
-            time.sleep(0.05)
+        wait_for(lambda: any(e.is_set() for e in started) and _held(proc.base_url) == 3,
+                 "one stream running and three held")
         proc.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)

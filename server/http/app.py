@@ -25,6 +25,7 @@ from kvserve.server.http.logprobs import LogprobFormat
 from kvserve.server.http.responses import install_responses_routes
 from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvserve.server.http.streams import Shape, collect, sse_events
+from kvserve.server.http.names import ModelNames
 from kvserve.server.http.submit import answer, submit
 
 
@@ -41,6 +42,7 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
     install_guards(app, http, gate)
     created = int(time.time())
     logprobs = LogprobFormat(model.tokenizer)
+    names = ModelNames(model.info.model_id, http.served_model_names)
 
     @app.get("/metrics")
     async def metrics():
@@ -58,34 +60,34 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
     @app.get("/v1/models")
     async def models():
         info = model.info
-        card = {"id": info.model_id, "object": "model", "created": created, "owned_by": "kvserve",
+        card = {"object": "model", "created": created, "owned_by": "kvserve",
                 "context_length": info.context_length, "weight_format": info.weight_format,
                 "blas": info.blas, "kv_scheme": info.kv_scheme}
         if model.device is not None:
             card["device"] = model.device.card()
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [{"id": name, **card} for name in names.listed()]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
-        _check_model(body.model, model.info.model_id)
+        name = names.check(body.model)
         chat = prepare_chat(openai_chat(body), model.tokenizer)
         await check_grammar(model.grammars, chat.grammar,
                             "response_format" if body.response_format else "tool_choice")
-        shape = Shape(chat=True, model=model.info.model_id, id_prefix="chatcmpl",
+        shape = Shape(chat=True, model=name, id_prefix="chatcmpl",
                       logprobs=logprobs if body.logprob_request()[0] else None, splitter=chat.splitter)
         return await _generate(engine, body, chat.tokens, shape, http_request, grammar=chat.grammar)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http_request: HTTPRequest):
-        _check_model(body.model, model.info.model_id)
+        name = names.check(body.model)
         tokens = _prompt_tokens(model.tokenizer, body.prompt, model.info.vocab_size)
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
-        shape = Shape(chat=False, model=model.info.model_id, id_prefix="cmpl",
+        shape = Shape(chat=False, model=name, id_prefix="cmpl",
                       logprobs=logprobs if body.logprob_request()[0] else None)
         return await _generate(engine, body, tokens, shape, http_request, prefix)
 
-    install_anthropic_routes(app, engine, _check_model)
-    install_responses_routes(app, engine, _check_model)
+    install_anthropic_routes(app, engine, names)
+    install_responses_routes(app, engine, names)
     return app
 
 
@@ -99,13 +101,6 @@ def install_guards(app: FastAPI, http: HTTPConfig, gate: Gate) -> None:
         app.add_middleware(OpenAICORSMiddleware, allow_origins=list(http.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
-
-
-def _check_model(requested: str, served: str) -> None:
-    if requested not in (served, "default"):
-        shown = requested if len(requested) <= 64 else requested[:64] + "..."  # never echo a megabyte
-        raise APIError(404, f"model {shown!r} is not served here; this server serves '{served}'",
-                       param="model", code="model_not_found")
 
 
 def openai_chat(body: ChatCompletionRequest) -> ChatInput:

@@ -25,19 +25,17 @@ from kvserve.server.http.streams import ClientGone, EngineFailed, EventStream
 
 def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits: EngineConfig,
                     vocab_size: int, grammar: Grammar | None = None, prompt_param: str | None = None) -> SamplingParams:
-    """Validate lengths and token ids against the model and build the sampling parameters."""
+    """Validate lengths and token ids against the model and build the sampling parameters;
+    ``max_tokens`` is capped to what the context leaves after the prompt and to
+    ``max_tokens_limit``, and only a prompt that leaves no room is refused."""
     room = context - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context}",
                        param=prompt_param or ("messages" if hasattr(body, "messages") else "prompt"),
                        code="context_length_exceeded")
+    # A max_tokens past what fits is a ceiling, not an error: agent clients send their own
+    # output limit (32,000) whatever the model; the reply ends with "length" if it gets there.
     requested = body.requested_max_tokens()
-    if requested is not None and requested > limits.max_tokens_limit:
-        raise APIError(400, f"max_tokens must be at most {limits.max_tokens_limit}", param="max_tokens")
-    if requested is not None and requested > room:
-        raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds "
-                       f"this model's context of {context}", param="max_tokens",
-                       code="context_length_exceeded")
     if body.n > limits.max_batch_size:
         raise APIError(400, f"n must be at most {limits.max_batch_size} (the batch size)", param="n")
     bias = body.bias_pairs()
@@ -45,7 +43,7 @@ def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits:
         raise APIError(400, f"logit_bias token ids must be below the vocabulary size {vocab_size}",
                        param="logit_bias")
     logprobs, top = body.logprob_request()
-    return SamplingParams(max_tokens=min(requested or limits.max_tokens, room),
+    return SamplingParams(max_tokens=min(requested or limits.max_tokens, room, limits.max_tokens_limit),
                           temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           min_p=body.min_p, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=bias,

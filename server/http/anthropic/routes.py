@@ -16,6 +16,7 @@ from kvserve.server.http.anthropic.replies import collect_message, error_json, m
 from kvserve.server.http.anthropic.schemas import CountTokensRequest, MessagesRequest
 from kvserve.server.http.chat import check_grammar, prepare_chat
 from kvserve.server.http.errors import ERROR_SCHEMAS, ERROR_SHAPES
+from kvserve.server.http.names import ModelNames
 from kvserve.server.http.submit import answer, submit
 from kvserve.server.http.tools import ReplySplitter
 
@@ -28,20 +29,20 @@ ERROR_SCHEMA = {
 }
 
 
-def install_anthropic_routes(app: FastAPI, engine: Engine, check_model) -> None:
-    """``check_model(requested, served)`` raises the 404 for a model not served here."""
+def install_anthropic_routes(app: FastAPI, engine: Engine, names: ModelNames) -> None:
+    """``names`` answers a model not served here with a 404, and names the reply."""
     model = engine.model
     ERROR_SHAPES[PREFIX] = lambda status, message, param: error_json(status, _with_param(message, param))
     ERROR_SCHEMAS[PREFIX] = ERROR_SCHEMA
 
     @app.post(PREFIX)
     async def messages(body: MessagesRequest, http_request: HTTPRequest):
-        check_model(body.model, model.info.model_id)
+        name = names.check(body.model)
         chat = prepare_chat(chat_input(body), model.tokenizer)
         await check_grammar(model.grammars, chat.grammar, "tool_choice")
         splitter = chat.splitter() if chat.splitter is not None else ReplySplitter(None)
         job = submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar, "messages")
-        name, prompt = model.info.model_id, len(chat.tokens)
+        prompt = len(chat.tokens)
         events = (lambda: message_events(job.stream, splitter, name, prompt, job.abort,
                                          http_request.app.state.sse_keepalive_s)) if body.stream else None
         return await answer(job, http_request, events,
@@ -50,7 +51,7 @@ def install_anthropic_routes(app: FastAPI, engine: Engine, check_model) -> None:
 
     @app.post(f"{PREFIX}/count_tokens")
     async def count_tokens(body: CountTokensRequest):
-        check_model(body.model, model.info.model_id)
+        names.check(body.model)
         chat = prepare_chat(chat_input(body), model.tokenizer)
         return {"input_tokens": len(chat.tokens)}
 

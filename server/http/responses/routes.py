@@ -9,14 +9,13 @@ so the same conversation gives the same tokens on both routes.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
 from kvserve.server.engine.loop import Engine
 from kvserve.server.http.chat import PreparedChat, check_grammar, prepare_chat
 from kvserve.server.http.errors import APIError
+from kvserve.server.http.names import ModelNames
 from kvserve.server.http.responses.convert import chat_input, renamed, sampling_fields
 from kvserve.server.http.responses.events import collect_response, new_response, response_events
 from kvserve.server.http.responses.inputs import parse_input
@@ -27,16 +26,16 @@ from kvserve.server.http.submit import Submitted, answer, submit
 PATH = "/v1/responses"
 
 
-def install_responses_routes(app: FastAPI, engine: Engine, check_model: Callable[[str, str], None]) -> None:
-    """``check_model(requested, served)`` raises the 404 for a model not served here."""
+def install_responses_routes(app: FastAPI, engine: Engine, names: ModelNames) -> None:
+    """``names`` answers a model not served here with a 404, and names the reply."""
     model = engine.model
 
     @app.post(PATH)
     async def responses(body: ResponsesRequest, http_request: HTTPRequest):
-        check_model(body.model, model.info.model_id)
+        name = names.check(body.model)
         chat = await _prepare(body, engine)
         job = _submit(engine, body, chat, http_request)
-        start, reply = new_response(body, model.info.model_id), Reply(chat.splitter)
+        start, reply = new_response(body, name), Reply(chat.splitter)
         events = (lambda: response_events(start, job.stream, reply, job.abort,
                                           http_request.app.state.sse_keepalive_s)) if body.stream else None
         return await answer(job, http_request, events,
