@@ -46,13 +46,14 @@ def response_format_grammar(response_format: dict | None) -> Grammar | None:
 def tool_call_grammar(fmt: ToolFormat, tools: list[dict], choice: Any, parallel: bool) -> Grammar | None:
     """The grammar of the calls ``tool_choice`` forces, None when the model chooses freely.
     ``required``: one call (or several when ``parallel``) to any of the tools; a named
-    function: calls to it alone."""
+    function: exactly one call to it, whatever ``parallel`` says (OpenAI and Anthropic force
+    one; a grammar that let the model open another call after it ran on to ``max_tokens``)."""
     if choice in (None, "auto", "none"):
         return None
     if not tools:
         raise StructureError("tool_choice needs tools", "tool_choice")
     if isinstance(choice, dict):
-        name = choice["function"]["name"]
+        name, parallel = choice["function"]["name"], False
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise StructureError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
