@@ -194,12 +194,7 @@ def serve(config: ServerConfig) -> int:
     engine = Engine(make_loader(config.model, scheme, blas.describe(), _progress, config.cache,
                                 config.engine.speculative, group, config.engine.draft_model, device), config.engine)
     loaded = engine.start()
-    _progress(f"serving {loaded.info.describe()}")
-    if engine.warmup is not None:
-        _progress(engine.warmup.describe())
-    _progress(f"ready in {time.monotonic() - started:.1f} s")
-    _progress(f"KV memory: {engine.kv_budget.describe()}")
-    _progress(f"listening on http://{config.http.host}:{config.http.port}")
+    _announce(engine, loaded, config, time.monotonic() - started)
     # uvicorn re-raises the signals it caught under the handler installed before it started:
     # make that a no-op so the engine stops cleanly and the process exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -224,6 +219,17 @@ def serve(config: ServerConfig) -> int:
         _progress(f"the engine did not stop within {wait:g} s; queued cache writes may be lost")
         return 1
     return 1 if engine.down else 0
+
+
+def _announce(engine, loaded, config: ServerConfig, seconds: float) -> None:
+    """The start-up lines: the model, the warm-up where one ran, the time to ready (cold and
+    warm starts differ by what the warm-up compiled), the KV budget, the address."""
+    _progress(f"serving {loaded.info.describe()}")
+    if engine.warmup is not None:
+        _progress(engine.warmup.describe())
+    _progress(f"ready in {seconds:.1f} s")
+    _progress(f"KV memory: {engine.kv_budget.describe()}")
+    _progress(f"listening on http://{config.http.host}:{config.http.port}")
 
 
 def _stop_when_down(engine, server) -> None:
