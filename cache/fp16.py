@@ -112,8 +112,8 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
 
 def _half(queries: mx.array, keys: mx.array) -> bool:
     """The tensor-core kernel reads raw K/V in the queries' dtype, a half one; float32
-    queries take the grouped path (the kernel's reference fallback evaluates block by block,
-    which stalls a pipelined decode step on every layer)."""
+    queries take the grouped path, not the kernel's fallback (MLX's unfused masked SDPA,
+    3x slower than the grouped path on an H100)."""
     return queries.dtype in (mx.float16, mx.bfloat16) and keys.dtype == queries.dtype
 
 

@@ -42,10 +42,6 @@ class DeviceProfile:
     warmup: bool
     kernel_cache: str = ""
 
-    @property
-    def gpu(self) -> bool:
-        return self.backend != "cpu"
-
     def describe(self) -> str:
         rewrites = f"rewrites {', '.join(self.rewrites)}" if self.rewrites else "no rewrites"
         warm = "warm-up before ready" if self.warmup else "no warm-up"

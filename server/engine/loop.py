@@ -24,7 +24,7 @@ from kvserve.server.engine.metrics import EngineMetrics
 from kvserve.server.engine.output import OutputState, StopMatcher
 from kvserve.server.engine.request import FinishReason, Request, RequestStatus, TokenEvent, Usage
 from kvserve.server.engine.scheduler import QueueFull, Scheduler, StepPlan, StepResult
-from kvserve.server.engine.warmup import WarmupReport, is_warmup
+from kvserve.server.engine.warmup import WarmupReport
 
 log = logging.getLogger("kvserve.engine")
 
@@ -349,8 +349,7 @@ class Engine:
         live = self._live.pop(request.request_id)
         self.scheduler.finish(request, reason)
         # A finished prompt + reply is the start of a chat's next turn: offer it for reuse.
-        keep = reason in (FinishReason.STOP, FinishReason.LENGTH) and not is_warmup(request.request_id)
-        self.model.runner.release(request.request_id, keep=keep)
+        self.model.runner.release(request.request_id, keep=reason in (FinishReason.STOP, FinishReason.LENGTH))
         with self._lock:
             self._inflight -= 1
         self.metrics.finished[reason.value] += 1

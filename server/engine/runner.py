@@ -218,7 +218,7 @@ class ModelRunner:
         """Free a request's cache (its batch row leaves); called when it finishes or is aborted.
         ``keep`` first offers the cache of its prompt and reply to the prefix cache."""
         tokens = self._tokens.pop(request_id, None)
-        if keep and self.prefix is not None and tokens is not None:
+        if keep and self.prefix is not None and tokens is not None and not is_warmup(request_id):
             # The last sampled token is in the cache only when a queued step fed it.
             cache = self._held(request_id)
             if cache is not None and cache.offset in (len(tokens) - 1, len(tokens)):

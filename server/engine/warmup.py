@@ -28,7 +28,7 @@ WARMUP_PREFIX = "warmup-"
 
 @dataclass
 class WarmupReport:
-    """What the warm-up ran: decode batch sizes seen, steps, seconds, kernels compiled."""
+    """What the warm-up ran: decode batch sizes seen, steps, seconds, kernel files compiled."""
 
     batch_sizes: set[int] = field(default_factory=set)
     prefill_chunks: int = 0
@@ -42,7 +42,7 @@ class WarmupReport:
         span = f"{sizes[0]}-{sizes[-1]}" if sizes else "none"
         failed = f"; failed: {self.error}" if self.error else ""
         return (f"warm-up: {self.steps} steps, {self.prefill_chunks} prompt chunks, decode batch sizes {span}, "
-                f"{self.compiled} kernels compiled, {self.seconds:.1f} s{failed}")
+                f"{self.compiled} kernel files compiled, {self.seconds:.1f} s{failed}")
 
 
 def warmup_requests(batch: int, prefill_step_size: int, tokens: list[int], context: int = 0,
