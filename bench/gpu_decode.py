@@ -44,10 +44,25 @@ def build_model(layers: int):
     return model
 
 
-def prompt(row: int, context: int):
+def served_model():
+    """The default model as ``kvserve serve`` loads it on this device (weight format and
+    rewrites of the device profile): the small model whose decode step is bound by the
+    host's kernel launches rather than by bytes."""
+    from kvserve.cache import parse_scheme
+    from kvserve.configs import ModelConfig
+    from kvserve.server.engine.model_loader import load_model
+
+    return load_model(ModelConfig(), parse_scheme("fp16"), "reference").runner.model
+
+
+def vocab_size(model) -> int:
+    return model.args.vocab_size
+
+
+def prompt(row: int, context: int, vocab: int = 128256):
     import mlx.core as mx
 
-    return mx.random.randint(0, 128256, (1, context), key=mx.random.key(row))
+    return mx.random.randint(0, vocab, (1, context), key=mx.random.key(row))
 
 
 def row_cache(model, scheme: str, tokens):
@@ -71,7 +86,8 @@ def batch_cache(model, scheme: str, batch: int, context: int):
     import mlx.core as mx
     from kvserve.cache import PromptCache
 
-    merged = PromptCache.merge([row_cache(model, scheme, prompt(row, context)) for row in range(batch)])
+    merged = PromptCache.merge([row_cache(model, scheme, prompt(row, context, vocab_size(model)))
+                                for row in range(batch)])
     mx.eval(merged.state)
     return merged
 
@@ -92,7 +108,7 @@ def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
     prefix = PrefixCache(Namespace("bench", "bench", scheme), ram_bytes=1 << 40)
     requests = []
     for row in range(batch):
-        tokens = prompt(row, context)
+        tokens = prompt(row, context, vocab_size(model))
         prefix.insert(tokens[0].tolist(), row_cache(model, scheme, tokens))
         # Never ends by itself: timing stops after ``steps`` steps with every row decoding.
         requests.append(Request(tokens[0].tolist(), SamplingParams(max_tokens=1 << 20, temperature=0.0)))
@@ -186,6 +202,8 @@ def parser(doc: str, schemes: str, steps: int) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser(__doc__, "fp16,affine4,turbo0v4", 24)
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--model", choices=("8b-shape", "default"), default="8b-shape",
+                   help="default: the served default model instead (--layers is ignored)")
     p.add_argument("--profile", nargs="?", type=int, const=6, default=0, metavar="TOP",
                    help="after each loop, its kernels' device time per step and the TOP kernels "
                         "that take most of it, with their launches per step (CUPTI, needs PyTorch)")
@@ -193,9 +211,10 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    model = build_model(args.layers)
+    model = build_model(args.layers) if args.model == "8b-shape" else served_model()
+    shape = f"llama 8B shape, {args.layers} layers, f16" if args.model == "8b-shape" else "the default model"
     print(f"device: {mx.device_info().get('device_name', mx.default_device())}, mlx {mx.__version__}; "
-          f"llama 8B shape, {args.layers} layers, f16, batch {args.batch}, context {args.context}")
+          f"{shape}, batch {args.batch}, context {args.context}")
     print("| scheme | loop | step ms (median) | output tok/s | K/V GiB |\n|---|---|---|---|---|")
     for scheme in args.schemes.split(","):
         times, kv = engine_steps(model, scheme, args.batch, args.context, args.steps, args.profile)
