@@ -87,16 +87,30 @@ def tool_result(turn: int) -> str:
     return "\n".join(lines)
 
 
-def conversation(turn: int, prompt_tokens: int) -> list[dict]:
+TASKS = ["The date parser rejects ISO dates like 2024-05-01. Fix it.",
+         "Add a --verbose flag to the command line tool and document it in the README."]
+
+
+def conversation(turn: int, prompt_tokens: int, task: int = 0) -> list[dict]:
     """Messages up to the request of ``turn`` (0-based), rendered in the Hermes convention."""
     messages = [{"role": "system", "content": system_prompt(prompt_tokens)},
-                {"role": "user", "content": "The date parser rejects ISO dates like 2024-05-01. Fix it."}]
+                {"role": "user", "content": TASKS[task]}]
     for t in range(turn):
         name, args = CALLS[t % len(CALLS)]
         messages += [{"role": "assistant", "content": f"Step {t + 1}.", "tool_calls": [
                          {"id": f"call_{t}", "type": "function", "function": {"name": name, "arguments": args}}]},
                      {"role": "tool", "tool_call_id": f"call_{t}", "content": tool_result(t)}]
     return render_messages(messages, tools(), ToolFormat.hermes())
+
+
+def system_prompt_tokens(model_dir: Path, prompt_tokens: int) -> list[int]:
+    """The tokens both tasks' prompts share: the longest common start of the two renderings."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    a, b = (tokenizer.apply_chat_template(conversation(0, prompt_tokens, t), add_generation_prompt=True)
+            for t in (0, 1))
+    return a[:next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)]
 
 
 def one_turn(running: Running, messages: list[dict]) -> dict:
@@ -116,6 +130,8 @@ def session(target: Target, model_dir: Path, turns: int, restart_after: int, pro
                 running = Running(target, model_dir)
             row = one_turn(running, conversation(turn, prompt_tokens))
             rows.append({"turn": turn + 1, "restarted": turn == restart_after, **row})
+        # Another session with the same system prompt and tools, and another task.
+        rows.append({"turn": "new session", "restarted": False, **one_turn(running, conversation(0, prompt_tokens, 1))})
     finally:
         running.stop()
     return rows
@@ -129,17 +145,21 @@ def render(ours: list[dict], peer: list[dict] | None, args, model_dir: Path, arg
              "| mlx_lm.server TTFT (s) |", "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(ours):
         share = (r["cached"] or 0) / r["prompt_tokens"]
-        new = r["prompt_tokens"] - (ours[i - 1]["prompt_tokens"] if i else 0)
+        new = r["prompt_tokens"] - (ours[i - 1]["prompt_tokens"] if i and r["turn"] != "new session" else 0)
         theirs = f"{peer[i]['ttft']:.3f}" if peer else "-"
         mark = " (after restart)" if r["restarted"] else ""
         lines.append(f"| {r['turn']}{mark} | {r['prompt_tokens']} | {new} | {r['cached']} | {share:.1%} "
                      f"| {r['ttft']:.3f} | {theirs} |")
+    fresh, ours = ours[-1], ours[:-1]
     later = ours[1:]
     cached, total = sum(r["cached"] or 0 for r in later), sum(r["prompt_tokens"] for r in later)
     lines += ["", f"Turns 2-{args.turns}: {cached} of {total} prompt tokens served from the prefix cache "
               f"({cached / total:.1%}); lowest turn {min((r['cached'] or 0) / r['prompt_tokens'] for r in later):.1%}."]
+    system = len(system_prompt_tokens(model_dir, args.prompt_tokens))
+    lines.append(f"A new session (same system prompt and tools, another task): {fresh['cached']} of its "
+                 f"{fresh['prompt_tokens']} prompt tokens cached; the shared start is {system} tokens.")
     if peer:
-        ours_t, peer_t = sum(r["ttft"] for r in later), sum(r["ttft"] for r in peer[1:])
+        ours_t, peer_t = sum(r["ttft"] for r in later), sum(r["ttft"] for r in peer[1:-1])
         lines.append(f"TTFT summed over turns 2-{args.turns}: kvserve {ours_t:.2f} s, mlx_lm.server {peer_t:.2f} s.")
     return "\n".join(lines) + "\n"
 
@@ -147,7 +167,7 @@ def render(ours: list[dict], peer: list[dict] | None, args, model_dir: Path, arg
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="model directory (default: the default model)")
+    p.add_argument("--model", help="model directory or shipped model name (default: the default model)")
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--restart-after", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=2000, help="about this many in the system prompt")
@@ -155,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-peer", action="store_true")
     p.add_argument("--out", help="write the Markdown report here")
     args = p.parse_args(argv)
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    model_dir = default_model_dir(args.model)
     with tempfile.TemporaryDirectory(prefix="kvserve-agent-bench-") as cache:
         target = Target.parse(f"kvserve:--kv-scheme {args.kv_scheme} --prompt-cache-dir {cache}")
         ours = session(target, model_dir, args.turns, args.restart_after, args.prompt_tokens)

@@ -122,11 +122,13 @@ def has_chat_template(model_dir: Path) -> bool:
         config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))
 
 
-def default_model_dir() -> Path:
+def default_model_dir(spec: str | None = None) -> Path:
+    """The model directory ``kvserve serve --model spec`` serves (a shipped model's name is
+    fetched and converted once; None: the default model)."""
     from kvserve.configs import ModelConfig
     from kvserve.server.models.source import resolve_model
 
-    return Path(resolve_model(None, ModelConfig().resolved_cache_dir()))
+    return Path(resolve_model(spec, ModelConfig().resolved_cache_dir()))
 
 
 def source_gguf(model_dir: Path) -> Path:

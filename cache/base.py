@@ -107,6 +107,11 @@ class _Buffered:
     def is_trimmable(self) -> bool:
         return True
 
+    def trim_reach(self) -> int:
+        """How many of its last tokens the layer can drop and hold exactly what it held
+        then (the prefix cache's rule for this kind): full attention, all of them."""
+        return self.size()
+
     def trim(self, n: int) -> int:
         return self._buf.trim(n)
 

@@ -290,6 +290,31 @@ class PromptCache(Sequence):
                 f"nbytes={self.nbytes})")
 
 
+def kv_stores(cache: PromptCache) -> list[Any]:
+    """The caches that hold each K/V layer's tokens (a window's or a parallel layer's store)."""
+    return [_store(layer) for layer in cache if layer.stores_kv]
+
+
+def checkpointed_kinds(cache: PromptCache) -> list[int]:
+    """Indices of the layers the prefix cache keeps checkpoints of: windows, recurrent
+    states and layers with a state part (full-attention layers trim to any prefix)."""
+    return [i for i, layer in enumerate(cache) if isinstance(layer, SLIDING + PARALLEL) or not layer.stores_kv]
+
+
+def cannot_trim_at_all(cache: PromptCache) -> bool:
+    """A layer holds a recurrent state: an entry serves only the lengths it has checkpoints at."""
+    return any(isinstance(layer, PARALLEL) or not layer.stores_kv for layer in cache)
+
+
+def converted_copy(cache: PromptCache, i: int) -> Any:
+    """A new layer holding what layer ``i`` holds (B = 1), its fp16 K/V store converted as
+    ``cache.convert()`` would convert it; the caller's layer is unchanged."""
+    layer = cache[i]
+    copy = type(layer).from_state(layer.scheme, tuple(layer.state), dict(layer.meta_state))
+    target = dict(cache._targets()).get(i)
+    return _converted(copy, target) if target is not None else copy
+
+
 def convert_layer(layer: Any, target: KVScheme) -> Any:
     """A cache of ``target`` holding the same tokens (and padding) as an fp16 layer.
 

@@ -70,6 +70,9 @@ class ParallelCache:
     def is_trimmable(self) -> bool:
         return all(p.is_trimmable() for p in self.parts)
 
+    def trim_reach(self) -> int:
+        return min(p.trim_reach() for p in self.parts)
+
     def can_trim(self, n: int) -> bool:
         return all(_can_trim(p, n) for p in self.parts)
 

@@ -65,6 +65,11 @@ class KVCacheLayer(Protocol):
     def is_trimmable(self) -> bool:
         """Any shorter prefix can be restored exactly by ``trim`` (the prefix cache's question)."""
 
+    def trim_reach(self) -> int:
+        """How many last tokens ``trim`` can drop and leave exactly what the layer held at that
+        length: its kind's prefix-cache rule (all of them for full attention, the tokens beyond
+        a window's ``window - 1``, none for a recurrent state)."""
+
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens; returns how many were dropped. Layers that cannot trim
         every n (sliding windows, recurrent state) answer ``can_trim(n)`` first."""

@@ -126,6 +126,10 @@ class StateCache:
     def is_trimmable(self) -> bool:
         return False
 
+    def trim_reach(self) -> int:
+        """None: a state is valid only where it was taken (the prefix cache keeps checkpoints)."""
+        return 0
+
     def can_trim(self, n: int) -> bool:
         """Only the whole last forward can be undone, once."""
         if n == 0:

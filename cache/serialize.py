@@ -98,9 +98,11 @@ def _check_header(path: Any, header: dict[str, str]) -> None:
                              f"(this build reads {FORMAT_VERSION})")
 
 
-def _load_layer(path: Any, i: int, header: dict[str, str], tensors: dict[str, mx.array]) -> Any:
+def _load_layer(path: Any, i: int, header: dict[str, str], tensors: dict[str, mx.array],
+                prefix: str = "layer") -> Any:
+    """Layer ``i`` as ``<prefix>.<i>`` describes it, from tensors ``<prefix>.<i>.<j>``."""
     try:
-        info = json.loads(header[f"layer.{i}"])
+        info = json.loads(header[f"{prefix}.{i}"])
         cls = cache_class_by_name(info["class"])
         scheme = parse_scheme(info["params"]["scheme"])
     except (KeyError, json.JSONDecodeError, UnknownScheme) as err:
@@ -113,7 +115,7 @@ def _load_layer(path: Any, i: int, header: dict[str, str], tensors: dict[str, mx
         raise CacheFileError(f"{path}: layer {i}: {err}") from err
     if not stores_scheme(cls, scheme):
         raise CacheFileError(f"{path}: layer {i} class {cls.__name__} does not store scheme {scheme.name}")
-    names = [f"layer.{i}.{j}" for j in range(info["tensors"])]
+    names = [f"{prefix}.{i}.{j}" for j in range(info["tensors"])]
     missing = [n for n in names if n not in tensors]
     if missing:
         raise CacheFileError(f"{path}: layer {i} is missing tensors {missing}")

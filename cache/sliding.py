@@ -125,6 +125,12 @@ class _Sliding:
     def is_trimmable(self) -> bool:
         return not self._dropped_any()
 
+    def trim_reach(self) -> int:
+        """Tokens that can go while the next query's window stays stored: all of them until
+        the first drop, then what the layer holds beyond ``window - 1`` (the reserve, and
+        up to the slack and a chunk more)."""
+        return self.size() if not self._dropped_any() else max(0, self.size() - (self.window - 1))
+
     def can_trim(self, n: int) -> bool:
         """The last ``n`` tokens can go while the window of the next query stays stored."""
         if not self._dropped_any():

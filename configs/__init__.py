@@ -118,8 +118,14 @@ class CacheConfig:
     # None: <model cache dir>/prompt-cache/<model, tokenizer and scheme>; one directory per
     # namespace, as files of another namespace are evicted first.
     prompt_cache_dir: str | None = None
+    # Models with sliding-window or recurrent-state layers: while a prompt is prefilled, the
+    # prefix cache keeps those layers every N tokens too (besides each message's end and
+    # the last prompt token), so a long prompt that parts from a cached one mid-message
+    # resumes within N tokens. 0: message ends and the last token only.
+    prompt_cache_checkpoint_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        _require(self.prompt_cache_checkpoint_tokens >= 0, "cache.prompt_cache_checkpoint_tokens must be >= 0")
         _require(self.prompt_cache_ram_gb >= 0, "cache.prompt_cache_ram_gb must be >= 0")
         _require(self.prompt_cache_disk_gb >= 0, "cache.prompt_cache_disk_gb must be >= 0")
 

@@ -13,7 +13,7 @@ from servers import random_llama
 
 from kvserve.cache import PromptCache, load_layers, make_layer_cache
 from kvserve.cache.prefix import Namespace, PrefixCache
-from kvserve.cache.prefix.snapshot import exact_floor
+from kvserve.cache.prefix.snapshot import kv_floor
 
 MB = 1 << 20
 TRIMMABLE = ["fp16", "affine8", "affine4-g32", "mxfp4", "nvfp4", "turbo0v4", "turbo8v3", "turbo4"]
@@ -78,7 +78,7 @@ def test_hits_and_snapshots_are_independent_of_later_writes():
 def test_compressed_turbo_entries_serve_only_their_full_length():
     compressed = filled("turbo0v4", 10, seed=4)
     step(compressed, seed=0)  # the first decode step compresses: offset 11
-    assert exact_floor(compressed) == 11
+    assert kv_floor(compressed) == 11
     pc = PrefixCache(ns_for("turbo0v4"), ram_bytes=8 * MB)
     assert pc.insert(tokens(11), compressed)
     assert pc.lookup(tokens(11) + [500]).num_tokens == 11
@@ -93,13 +93,13 @@ def test_compressed_turbo_entries_serve_only_their_full_length():
 def test_converted_containers_are_not_trimmed_below_quantize_after():
     cache = filled("fp16", 12, seed=6)
     cache = PromptCache(list(cache), "affine8", quantize_after=8)
-    assert cache.maybe_convert() and exact_floor(cache) == 8
+    assert cache.maybe_convert() and kv_floor(cache) == 8
     pc = PrefixCache(ns_for("affine8", quantize_after=8), ram_bytes=8 * MB)
     assert pc.insert(tokens(12), cache)
     assert pc.lookup(tokens(10) + [0]).num_tokens == 10
     assert pc.lookup(tokens(6) + [0]) is None  # the original held fp16 at 6 tokens
     young = PromptCache(list(filled("fp16", 5, seed=7)), "affine8", quantize_after=8)
-    assert exact_floor(young) == 0 and pc.insert([40, 41, 42, 43, 44], young)
+    assert kv_floor(young) == 0 and pc.insert([40, 41, 42, 43, 44], young)
     assert pc.lookup([40, 41, 42, 0]).num_tokens == 3
 
 

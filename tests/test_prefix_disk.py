@@ -32,7 +32,7 @@ def write_one(d: Path, ns: Namespace = NS, tokens=TOKENS, scheme: str = "affine4
               metadata: dict | None = None) -> Path:
     """Write one entry file the way the writer does (optionally with altered metadata)."""
     snap = take_snapshot(filled(scheme, len(tokens), seed=seed))
-    md = {**entry_metadata(ns, tokens, snap.floor, layer_descriptions(snap)), **(metadata or {})}
+    md = {**entry_metadata(ns, tokens, snap.spans, layer_descriptions(snap)), **(metadata or {})}
     d.mkdir(parents=True, exist_ok=True)
     path = d / ns.entry_name(tokens)
     write_entry(path, md, host_tensors(snap))
@@ -60,7 +60,7 @@ SEEDED = replace(SEEDED, values=replace(SEEDED.values, seed=44))
     (Namespace("model-fp", "tok-hash", "affine4-g32", quantize_after=256), None, "scheme_params"),
     (Namespace("model-fp", "tok-hash", "affine4-g32", layout="window512*5,kv"), None, "layout"),
     (Namespace("model-fp", "tok-hash", "affine4-g32", shard="tp2:rank0:even"), None, "shard"),
-    (NS, {"user.prefix_version": "2"}, "version"),
+    (NS, {"user.prefix_version": "1"}, "version"),  # files of the layout before checkpoints
     (NS, {"format_version": "9"}, "version"),
 ])
 def test_other_namespaces_and_versions_are_refused_and_kept(tmp_path, writer_ns, metadata, reason):
@@ -76,7 +76,7 @@ def test_same_scheme_name_with_other_parameters_is_refused(tmp_path):
     ours = Namespace("model-fp", "tok-hash", parse_scheme("turbo4"))
     theirs = Namespace("model-fp", "tok-hash", SEEDED)  # a build whose turbo4 seeds values with 44
     snap = take_snapshot(filled("turbo4", 6, layers=5))
-    md = entry_metadata(theirs, TOKENS, snap.floor, layer_descriptions(snap))
+    md = entry_metadata(theirs, TOKENS, snap.spans, layer_descriptions(snap))
     write_entry(tmp_path / ours.entry_name(TOKENS), md, host_tensors(snap))  # even under our name
     pc = PrefixCache(ours, 8 * MB, tmp_path, 64 * MB)
     assert pc.lookup(TOKENS + [1]) is None and refused(pc) == {"scheme_params": 1}
@@ -171,7 +171,7 @@ def crash_payloads() -> list[dict]:
         for v in range(VARIANTS):
             cache = filled(scheme, n, seed=10 * i + v, layers=5)
             snap = take_snapshot(cache)
-            md = entry_metadata(ns, toks, snap.floor, layer_descriptions(snap))
+            md = entry_metadata(ns, toks, snap.spans, layer_descriptions(snap))
             tensors = [(name, dt, np.array(a)) for name, dt, a in host_tensors(snap)]  # plain copies
             variants.append({"md": md, "tensors": tensors, "state": state_bytes(cache)})
         entries.append({"tokens": toks, "ns": ns, "name": ns.entry_name(toks), "variants": variants})

@@ -10,15 +10,15 @@ file; ``clear`` deletes entry files and leftover temporary files, and nothing el
     >>> from kvserve.cache.prefix.namespace import Namespace
     >>> d = Path(tempfile.mkdtemp())
     >>> ns = Namespace("model-a", "tok-a", "affine8")
-    >>> _ = write_entry(d / ns.entry_name([1, 2]), entry_metadata(ns, [1, 2], 0, {"num_layers": "0"}), [])
+    >>> _ = write_entry(d / ns.entry_name([1, 2]), entry_metadata(ns, [1, 2], ((1, 2),), {"num_layers": "0"}), [])
     >>> parser = argparse.ArgumentParser(prog="kvserve")
     >>> _ = add_cache_parser(parser.add_subparsers(dest="command"))
     >>> out = io.StringIO()
     >>> cache_command(parser.parse_args(["cache", "stats", "--prompt-cache-dir", str(d)]), out)
     0
     >>> print(out.getvalue().strip())
-    1 entry files, 952 bytes; 0 temporary files
-      1 files          952 bytes  model model-a  tokenizer tok-a  scheme affine8  quantize_after 0  version 1
+    1 entry files, 960 bytes; 0 temporary files
+      1 files          960 bytes  model model-a  tokenizer tok-a  scheme affine8  quantize_after 0  version 2
     >>> cache_command(parser.parse_args(["cache", "clear", "--prompt-cache-dir", str(d)]), io.StringIO())
     0
     >>> sorted(d.iterdir())

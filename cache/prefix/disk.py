@@ -15,7 +15,7 @@ refresh), the order their least-recently-used bookkeeping starts in.
     >>> from kvserve.cache.prefix.files import entry_metadata, write_entry
     >>> root = Path(tempfile.mkdtemp())
     >>> ns = Namespace("model-a", "tok-a", "fp16")
-    >>> md = entry_metadata(ns, [1, 2, 3], floor=0, layers={"num_layers": "0"})
+    >>> md = entry_metadata(ns, [1, 2, 3], spans=((1, 3),), layers={"num_layers": "0"})
     >>> _ = write_entry(root / ns.entry_name([1, 2, 3]), md, [])
     >>> _ = (root / ("." + ns.entry_name([4]) + ".123.0.tmp")).write_bytes(b"partial")
     >>> _ = (root / ns.entry_name([9])).write_bytes(b"\\x00" * 3)      # damaged

@@ -13,7 +13,7 @@ Metadata, all strings. ``format``, ``format_version``, ``num_layers`` and ``laye
 ``kvserve.cache.serialize``'s layer descriptions (class, scheme parameters, offset, meta);
 the prefix cache adds:
 
-    user.prefix_version   "1": this layout; any other value is refused ("version")
+    user.prefix_version   "2": this layout; any other value is refused ("version")
     user.model            model fingerprint                       ("model")
     user.tokenizer        tokenizer hash                          ("tokenizer")
     user.scheme           scheme name                             ("scheme")
@@ -26,7 +26,10 @@ the prefix cache adds:
     user.num_tokens       tokens stored (the caches' offset)
     user.tokens           the token ids, base64 of little-endian uint32
     user.tokens_digest    sha256 hex of those bytes
-    user.floor            shortest prefix a trimmed copy reproduces exactly
+    user.spans            JSON [[lo, hi], ...]: the lengths the entry serves exactly
+    checkpoints           JSON [[tokens, [layer indices]], ...]: copies of window and state
+                          layers at shorter lengths, described as ``ckpt.<k>.layer.<i>``
+                          beside the entry's own ``layer.<i>`` (each with its ``reach``)
     user.data_sha256      sha256 hex of the data section           ("checksum")
     user.header_sha256    sha256 hex of every other field and the tensor table ("corrupt")
 
@@ -45,7 +48,7 @@ old state or the whole new file, never part of one.
     >>> from kvserve.cache.prefix.namespace import Namespace
     >>> ns = Namespace("model-a", "tok-a", "fp16")
     >>> path = Path(tempfile.mkdtemp()) / ns.entry_name([7, 8])
-    >>> md = entry_metadata(ns, [7, 8], floor=0, layers={"num_layers": "0"})
+    >>> md = entry_metadata(ns, [7, 8], spans=((1, 2),), layers={"num_layers": "0"})
     >>> size = write_entry(path, md, [("x", "F32", np.arange(4, dtype="<f4"))])
     >>> header = read_header(path)
     >>> check_identity(header, ns, path.name)
@@ -103,7 +106,7 @@ class FileRefused(Exception):
 
 # --- writing ---------------------------------------------------------------------------
 
-def entry_metadata(ns: Namespace, tokens: Sequence[int], floor: int,
+def entry_metadata(ns: Namespace, tokens: Sequence[int], spans: Sequence[tuple[int, int]],
                    layers: dict[str, str]) -> dict[str, str]:
     """The metadata of an entry, without the two checksums ``write_entry`` adds."""
     raw = token_bytes(tokens)
@@ -114,7 +117,8 @@ def entry_metadata(ns: Namespace, tokens: Sequence[int], floor: int,
     if ns.shard:
         md["user.shard"] = ns.shard
     md.update({"user.num_tokens": str(len(tokens)), "user.tokens": base64.b64encode(raw).decode(),
-               "user.tokens_digest": hashlib.sha256(raw).hexdigest(), "user.floor": str(floor)})
+               "user.tokens_digest": hashlib.sha256(raw).hexdigest(),
+               "user.spans": json.dumps([list(span) for span in spans])})
     return md
 
 
@@ -199,8 +203,13 @@ class Header:
         return int(self.metadata["user.num_tokens"])
 
     @property
-    def floor(self) -> int:
-        return int(self.metadata["user.floor"])
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The lengths the entry serves; ``ValueError`` unless sorted, disjoint, in 1..n."""
+        spans = tuple((int(lo), int(hi)) for lo, hi in json.loads(self.metadata["user.spans"]))
+        bounds = [b for span in spans for b in span]
+        if not spans or bounds != sorted(bounds) or bounds[0] < 1 or bounds[-1] > self.num_tokens:
+            raise ValueError(f"spans {spans} for {self.num_tokens} tokens")
+        return spans
 
     def tokens(self) -> tuple[int, ...]:
         raw = base64.b64decode(self.metadata["user.tokens"], validate=True)
@@ -275,8 +284,8 @@ def check_identity(header: Header, ns: Namespace, name: str) -> None:
     try:
         tokens = header.tokens()
         digest_ok = hashlib.sha256(token_bytes(tokens)).hexdigest() == md["user.tokens_digest"]
-        counts_ok = len(tokens) == header.num_tokens and 0 <= header.floor <= len(tokens)
-    except (ValueError, KeyError) as err:
+        counts_ok = len(tokens) == header.num_tokens and bool(header.spans)
+    except (ValueError, KeyError, TypeError) as err:
         raise FileRefused("corrupt", f"token fields unusable ({err})") from None
     if not (digest_ok and counts_ok):
         raise FileRefused("corrupt", "token ids do not match their digest or count")

@@ -35,7 +35,7 @@ import numpy as np
 
 from kvserve.cache.scheme import KVScheme, parse_scheme
 
-PREFIX_VERSION = "1"  # the prefix-cache file format (files.py); any other value is refused
+PREFIX_VERSION = "2"  # the prefix-cache file format (files.py); any other value is refused
 SUFFIX = ".safetensors"
 TOKEN_LIMIT = 1 << 32  # token ids are stored as uint32
 

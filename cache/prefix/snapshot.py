@@ -12,17 +12,22 @@ evicted entries left stayed resident. One allocation per entry is, from 1 MiB up
 threshold ``kvserve serve`` pins glibc at), a mapping of its own that an eviction hands
 back to the OS whole.
 
-Which prefixes a copy can serve exactly (``exact_floor``). A trimmed copy holding m tokens is
-only handed out when it equals what the original held at m tokens:
+Which prefixes a copy can serve exactly. A copy trimmed to m tokens is only handed out when
+it equals what the original held at m tokens. Each layer records its ``reach``, how many of
+its last tokens it can drop that way (``kv_floor`` and the kind's ``trim_reach``):
 
-* fp16 and ``mx.quantize`` layers encode every token on its own: any m is exact;
-* TurboQuant layers in their raw phase hold the tokens as computed: any m is exact (the
-  first decode step compresses, calibrating keys on the m tokens, as the original would);
+* fp16 and ``mx.quantize`` layers encode every token on its own: all of them;
+* TurboQuant layers in their raw phase hold the tokens as computed: all of them (the first
+  decode step compresses, calibrating keys on the m tokens, as the original would);
 * TurboQuant layers already compressed hold codes calibrated on every token stored at the
-  first decode step, and do not record at which length that was: only the full length;
+  first decode step, and do not record at which length that was: none;
 * a container whose layers were converted from fp16 at ``quantize_after`` = q held fp16
-  below q, which the quantized copy cannot give back: only m >= q;
-* layers that cannot trim (``is_trimmable()`` false): only the full length.
+  below q, which the quantized copy cannot give back: down to q;
+* a sliding window, what it holds beyond ``window - 1``; a recurrent state, none.
+
+An entry also keeps ``checkpoints`` (checkpoints.py): copies of its window and state layers
+at shorter lengths. ``spans`` are the lengths every layer can serve, from the entry's own
+layers or a checkpoint's.
 
     >>> import mlx.core as mx
     >>> from kvserve.cache import PromptCache, make_layer_cache
@@ -30,8 +35,8 @@ only handed out when it equals what the original held at m tokens:
     >>> for layer in layers:
     ...     _ = layer.update_and_fetch(mx.ones((1, 2, 5, 64)), mx.ones((1, 2, 5, 64)))
     >>> snap = take_snapshot(PromptCache(layers, "affine8"))
-    >>> snap.num_tokens, snap.floor, snap.layers[0].cls_name, len(snap.layers[0].arrays)
-    (5, 0, 'QuantizedKVCache', 6)
+    >>> snap.num_tokens, snap.spans, snap.layers[0].cls_name, len(snap.layers[0].arrays)
+    (5, ((1, 5),), 'QuantizedKVCache', 6)
     >>> snap.layers[0].arrays[0].shape        # (B, H_kv, T, D*8/32): offset tokens, not capacity
     (1, 2, 5, 16)
     >>> copy = restore(snap, 3)
@@ -42,14 +47,15 @@ only handed out when it equals what the original held at m tokens:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from kvserve.cache.container import PromptCache
+from kvserve.cache.container import PromptCache, kv_stores
+from kvserve.cache.prefix.checkpoints import Checkpoint, Span, source, spans
 from kvserve.cache.registry import cache_class_by_name, is_kvserve_cache
 from kvserve.cache.scheme import KVScheme
 from kvserve.cache.turbo import COMPRESSED, TurboKVCache
@@ -69,6 +75,7 @@ class LayerState:
     scheme: KVScheme
     arrays: tuple[mx.array, ...]  # (1, H_kv, T, W_i) parts, then per-family extras
     meta: dict[str, str]
+    reach: int = 0  # how many last tokens a copy can drop exactly
 
     @property
     def nbytes(self) -> int:
@@ -77,17 +84,19 @@ class LayerState:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A B = 1 container's layers, its scheme and threshold, and the shortest exact prefix."""
+    """A B = 1 container's layers, its scheme and threshold, its checkpoints, and the
+    lengths they serve exactly (closed intervals)."""
 
     layers: tuple[LayerState, ...]
     scheme: KVScheme
     quantize_after: int
     num_tokens: int
-    floor: int
+    spans: tuple[Span, ...]
+    checkpoints: tuple[Checkpoint, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self.layers) + sum(c.nbytes for c in self.checkpoints)
 
 
 def unsupported(cache: PromptCache) -> str | None:
@@ -100,12 +109,11 @@ def unsupported(cache: PromptCache) -> str | None:
     return f"layers of other kinds ({', '.join(sorted(set(foreign)))})" if foreign else None
 
 
-def exact_floor(cache: PromptCache) -> int:
-    """The shortest prefix a trimmed copy of ``cache`` reproduces exactly (module doc)."""
+def kv_floor(cache: PromptCache) -> int:
+    """The shortest prefix the K/V encodings of ``cache`` reproduce exactly (module doc);
+    what windows and states can drop is their ``trim_reach``."""
     n = int(cache.offset)
-    if not cache.is_trimmable():
-        return n
-    if any(isinstance(layer, TurboKVCache) and layer.phase == COMPRESSED for layer in cache):
+    if any(isinstance(store, TurboKVCache) and store.phase == COMPRESSED for store in kv_stores(cache)):
         return n
     converted = cache.scheme.quantized and cache.quantize_after > 0 and not cache.pending_conversion
     return min(cache.quantize_after, n) if converted else 0
@@ -145,71 +153,157 @@ def pack(arrays: Sequence[mx.array]) -> tuple[mx.array, ...]:
     return out
 
 
-def _layer_states(layers: Sequence[Any]) -> tuple[LayerState, ...]:
+def reaches(cache: PromptCache) -> list[int]:
+    """Per layer, how many of its last tokens a copy can drop exactly (module doc)."""
+    room = int(cache.offset) - kv_floor(cache)
+    return [min(layer.trim_reach(), room) for layer in cache]
+
+
+def layer_states(layers: Sequence[Any], reach: Sequence[int]) -> tuple[LayerState, ...]:
     """Every layer's state, packed into one allocation."""
     states = [tuple(layer.state) for layer in layers]  # exactly offset tokens each
     packed = iter(pack([a for state in states for a in state]))
     return tuple(LayerState(type(layer).__name__, layer.scheme, tuple(next(packed) for _ in state),
-                            dict(layer.meta_state)) for layer, state in zip(layers, states))
+                            dict(layer.meta_state), r) for layer, state, r in zip(layers, states, reach))
 
 
-def take_snapshot(cache: PromptCache) -> Snapshot:
-    """Copy ``cache`` (B = 1, kvserve layers) into compact, evaluated arrays."""
+def take_snapshot(cache: PromptCache, checkpoints: Sequence[Checkpoint] = ()) -> Snapshot:
+    """Copy ``cache`` (B = 1, kvserve layers) into compact, evaluated arrays, with the
+    ``checkpoints`` of it that add lengths (``with_checkpoints``)."""
     reason = unsupported(cache)
     if reason:
         raise ValueError(f"cannot snapshot {reason}")
-    return Snapshot(_layer_states(list(cache)), cache.scheme, cache.quantize_after, int(cache.offset),
-                    exact_floor(cache))
+    layers = layer_states(list(cache), reaches(cache))
+    return with_checkpoints(layers, cache.scheme, cache.quantize_after, int(cache.offset), checkpoints)
 
 
-def snapshot_of_loaded(layers: list[Any], scheme: KVScheme, quantize_after: int) -> Snapshot:
+def with_checkpoints(layers: tuple[LayerState, ...], scheme: KVScheme, quantize_after: int, num_tokens: int,
+                     checkpoints: Sequence[Checkpoint]) -> Snapshot:
+    """A snapshot of ``layers`` holding ``num_tokens``, keeping of ``checkpoints`` the layer
+    copies its own layers cannot trim back to and the checkpoints at lengths it can serve."""
+    kept = []
+    for cp in checkpoints:
+        if cp.num_tokens >= num_tokens:
+            continue
+        need = tuple((i, s) for i, s in cp.layers if cp.num_tokens < num_tokens - layers[i].reach)
+        if need:
+            kept.append(Checkpoint(cp.num_tokens, need))
+    own = [s.reach for s in layers]
+    served = spans(num_tokens, own, [(c.num_tokens, c.reaches()) for c in kept])
+    kept = [c for c in kept if any(lo <= c.num_tokens <= hi for lo, hi in served)]
+    served = spans(num_tokens, own, [(c.num_tokens, c.reaches()) for c in kept])
+    kept.sort(key=lambda c: c.num_tokens)
+    return Snapshot(layers, scheme, quantize_after, num_tokens, served, tuple(kept))
+
+
+def extended(newer: Snapshot, older: Snapshot) -> Snapshot:
+    """``newer`` with the checkpoints of ``older``, an entry whose tokens it extends, and
+    older's own layers as one more checkpoint at older's length: one entry then serves
+    what both served (older's arrays are shared, not copied)."""
+    own = Checkpoint(older.num_tokens, tuple(enumerate(older.layers)))
+    return with_checkpoints(newer.layers, newer.scheme, newer.quantize_after, newer.num_tokens,
+                            [*newer.checkpoints, *older.checkpoints, own])
+
+
+def snapshot_of_loaded(layers: list[Any], reach: Sequence[int], checkpoints: Sequence[Checkpoint],
+                       scheme: KVScheme, quantize_after: int) -> Snapshot:
     """A snapshot of freshly loaded layers (their arrays, one per tensor, are packed too)."""
     cache = PromptCache(layers, scheme, quantize_after)
-    return Snapshot(_layer_states(layers), scheme, quantize_after, int(cache.offset), exact_floor(cache))
+    own = [min(r, limit) for r, limit in zip(reach, reaches(cache))]  # never more than the layer can
+    return with_checkpoints(layer_states(layers, own), scheme, quantize_after, int(cache.offset), checkpoints)
 
 
 def restore(snap: Snapshot, num_tokens: int) -> PromptCache:
-    """A new container holding the first ``num_tokens`` tokens; ``floor <= num_tokens`` required.
+    """A new container holding the first ``num_tokens`` tokens, a length in ``snap.spans``:
+    each layer is its own copy trimmed, or a checkpoint's.
 
     Its layers own their handles: appending to them never changes the snapshot's arrays.
     """
-    if not snap.floor <= num_tokens <= snap.num_tokens:
+    if not any(lo <= num_tokens <= hi for lo, hi in snap.spans):
         raise ValueError(f"{num_tokens} tokens cannot be restored exactly from an entry of "
-                         f"{snap.num_tokens} (shortest exact prefix {snap.floor})")
+                         f"{snap.num_tokens} (it serves {list(snap.spans)})")
     layers = []
-    for state in snap.layers:
+    for i, state in enumerate(snap.layers):
+        have = snap.num_tokens
+        if num_tokens < have - state.reach:
+            cp = source(snap.checkpoints, i, num_tokens)
+            state, have = dict(cp.layers)[i], cp.num_tokens
         layer = cache_class_by_name(state.cls_name).from_state(state.scheme, state.arrays, state.meta)
-        if num_tokens < snap.num_tokens:
-            layer.trim(snap.num_tokens - num_tokens)
+        if num_tokens < have:
+            layer.trim(have - num_tokens)
         layers.append(layer)
     return PromptCache(layers, snap.scheme, snap.quantize_after)
 
 
 # --- to and from the bytes a file holds ---
 
-def layer_descriptions(snap: Snapshot) -> dict[str, str]:
-    """The per-layer metadata of ``kvserve.cache.serialize`` (so ``load_layers`` reads our files)."""
-    out = {"num_layers": str(len(snap.layers))}
+def _describe(prefix: str, i: int, s: LayerState, offset: int) -> tuple[str, str]:
+    return f"{prefix}.{i}", json.dumps({"class": s.cls_name, "params": s.scheme.params(), "offset": offset,
+                                        "meta": s.meta, "tensors": len(s.arrays), "reach": s.reach})
+
+
+def _parts(snap: Snapshot) -> Iterator[tuple[str, int, LayerState, int]]:
+    """(name prefix, layer index, state, tokens) of every stored layer: the entry's own
+    (``layer.<i>``), then each checkpoint's (``ckpt.<k>.layer.<i>``)."""
     for i, s in enumerate(snap.layers):
-        out[f"layer.{i}"] = json.dumps({"class": s.cls_name, "params": s.scheme.params(),
-                                        "offset": snap.num_tokens, "meta": s.meta,
-                                        "tensors": len(s.arrays)})
+        yield "layer", i, s, snap.num_tokens
+    for k, cp in enumerate(snap.checkpoints):
+        for i, s in cp.layers:
+            yield f"ckpt.{k}.layer", i, s, cp.num_tokens
+
+
+def layer_descriptions(snap: Snapshot) -> dict[str, str]:
+    """The per-layer metadata of ``kvserve.cache.serialize`` (so ``load_layers`` reads our
+    files), the checkpoints' layers beside them, and ``checkpoints``: [[tokens, [layer
+    indices]], ...]."""
+    out = {"num_layers": str(len(snap.layers)),
+           "checkpoints": json.dumps([[cp.num_tokens, [i for i, _ in cp.layers]] for cp in snap.checkpoints])}
+    out.update(_describe(prefix, i, s, n) for prefix, i, s, n in _parts(snap))
     return out
 
 
 def host_tensors(snap: Snapshot) -> list[tuple[str, str, np.ndarray]]:
-    """(name, safetensors dtype, numpy view) per array, names ``layer.<i>.<j>``.
+    """(name, safetensors dtype, numpy view) per array, names ``layer.<i>.<j>`` and
+    ``ckpt.<k>.layer.<i>.<j>``.
 
     Views, not copies: they keep the evaluated MLX arrays alive and are only read (by the
     writer thread). Call on the thread that owns the arrays."""
     out = []
-    for i, s in enumerate(snap.layers):
+    for prefix, i, s, _ in _parts(snap):
         for j, a in enumerate(s.arrays):
             if a.dtype == mx.bfloat16:
                 a = a.view(mx.uint16)
                 mx.eval(a)
-            out.append((f"layer.{i}.{j}", ST_DTYPES[s.arrays[j].dtype], np.asarray(a)))
+            out.append((f"{prefix}.{i}.{j}", ST_DTYPES[s.arrays[j].dtype], np.asarray(a)))
     return out
+
+
+def rebuild(md: dict[str, str], load_layer: Callable[[int, str], Any], scheme: KVScheme,
+            quantize_after: int) -> Snapshot:
+    """The snapshot a file's metadata describes; ``load_layer(i, prefix)`` rebuilds one
+    layer through ``kvserve.cache.serialize``'s checks. Reaches are taken as recorded but
+    never beyond what the layer itself can drop; checkpoints must be shorter than the entry."""
+    count = int(md["num_layers"])
+    layers = [load_layer(i, "layer") for i in range(count)]
+    reach = [int(json.loads(md[f"layer.{i}"])["reach"]) for i in range(count)]
+    checkpoints = []
+    for k, (tokens, indices) in enumerate(json.loads(md["checkpoints"])):
+        states = []
+        for i in indices:
+            if not 0 <= i < count:
+                raise ValueError(f"checkpoint {k} names layer {i} of {count}")
+            layer = load_layer(i, f"ckpt.{k}.layer")
+            if int(layer.offset) != tokens:
+                raise ValueError(f"checkpoint {k} layer {i} holds {layer.offset} tokens, not {tokens}")
+            recorded = int(json.loads(md[f"ckpt.{k}.layer.{i}"])["reach"])
+            states.append((i, layer_states([layer], [min(recorded, layer.trim_reach())])[0]))
+        checkpoints.append(Checkpoint(int(tokens), tuple(states)))
+    return snapshot_of_loaded(layers, reach, checkpoints, scheme, quantize_after)
+
+
+def stored_layer_count(md: dict[str, str]) -> int:
+    """Layers a file's metadata describes, its checkpoints' included."""
+    return int(md["num_layers"]) + sum(len(indices) for _, indices in json.loads(md["checkpoints"]))
 
 
 def device_array(data: np.ndarray, st_dtype: str) -> mx.array:

@@ -29,14 +29,16 @@ from kvserve.cache.prefix.files import DAMAGED, REASONS, FileRefused, Header, en
 from kvserve.cache.prefix.index import RadixIndex
 from kvserve.cache.prefix.lru import LRUBytes
 from kvserve.cache.prefix.namespace import SUFFIX, Namespace, as_tokens
+from kvserve.cache.prefix.checkpoints import Checkpoint, Span, best_length, covers
 from kvserve.cache.prefix.snapshot import (
     Snapshot,
     device_array,
-    exact_floor,
+    extended,
     host_tensors,
     layer_descriptions,
+    rebuild,
     restore,
-    snapshot_of_loaded,
+    stored_layer_count,
     take_snapshot,
     unsupported,
 )
@@ -62,12 +64,13 @@ class Hit:
 class _Entry:
     key: str
     tokens: tuple[int, ...]
-    floor: int  # shortest prefix a trimmed copy reproduces exactly
+    spans: tuple[Span, ...]  # the lengths it serves exactly
     nbytes: int  # the snapshot's bytes (its RAM cost)
     snap: Snapshot | None = None  # resident in RAM
     job: WriteJob | None = None  # queued for disk
     on_disk: bool = False  # a written file, counted in the disk tier
     used: int = 0  # recency clock: among equal matches the most recent serves
+    checkpoints: int = 0  # how many it keeps (unknown, 0, for files found at start-up)
 
     def payload(self) -> Snapshot | None:
         return self.snap if self.snap is not None else (self.job.payload if self.job else None)
@@ -91,7 +94,8 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self._count = dict.fromkeys(("hits", "misses", "hit_tokens", "disk_hits", "inserts",
                                      "unsupported", "dropped_spills", "write_errors",
-                                     "ram_evictions", "disk_evictions", "missing_files"), 0)
+                                     "ram_evictions", "disk_evictions", "missing_files",
+                                     "checkpoints_stored", "checkpoint_hits", "checkpoints_evicted"), 0)
         self._refused = dict.fromkeys(REASONS, 0)
         self._closed = False
         if self._dir:
@@ -110,7 +114,7 @@ class PrefixCache:
             self._foreign[key] = info.path
             self._evict_disk_keys(self._disk.add(key, info.size))
         for info in found.ours:
-            e = _Entry(info.path.name[: -len(SUFFIX)], info.header.tokens(), info.header.floor, 0)
+            e = _Entry(info.path.name[: -len(SUFFIX)], info.header.tokens(), info.header.spans, 0)
             if self._redundant(e):  # e.g. a crash between writing an entry and dropping its prefix
                 self._delete_file(e.key)
                 continue
@@ -143,8 +147,11 @@ class PrefixCache:
         self._count["misses"] += 1
         return None
 
-    def insert(self, tokens: Iterable[int], cache: PromptCache) -> bool:
-        """Store a snapshot of ``cache`` (B = 1, ``offset == len(tokens)``) for ``tokens``.
+    def insert(self, tokens: Iterable[int], cache: PromptCache, checkpoints: Iterable[Checkpoint] = ()) -> bool:
+        """Store a snapshot of ``cache`` (B = 1, ``offset == len(tokens)``) for ``tokens``,
+        with ``checkpoints`` of its window and state layers at shorter lengths
+        (``checkpoints.capture``). A stored entry whose tokens it extends, held in RAM,
+        gives it its checkpoints and its own layers as one more (``extended``).
 
         Returns False when nothing new was stored: the tokens are empty, an entry that
         extends them already serves every lookup they would, the cache holds layers the
@@ -158,11 +165,11 @@ class PrefixCache:
         self._check_matches(tokens, cache)
         if not tokens:
             return False
-        e = _Entry(self.ns.entry_key(tokens), tokens, exact_floor(cache), 0)
+        snap = self._extend(tokens, take_snapshot(cache, list(checkpoints)))
+        e = _Entry(self.ns.entry_key(tokens), tokens, snap.spans, snap.nbytes, checkpoints=len(snap.checkpoints))
         if self._redundant(e):
             return False
-        snap = take_snapshot(cache)
-        e.nbytes = snap.nbytes
+        self._count["checkpoints_stored"] += e.checkpoints
         self._admit(e)
         self._put_ram(e, snap)
         if self._entries.get(e.key) is not e:  # larger than RAM and not spillable
@@ -223,12 +230,21 @@ class PrefixCache:
 
     # --- the index ---------------------------------------------------------------------
 
+    def _extend(self, tokens: tuple[int, ...], snap: Snapshot) -> Snapshot:
+        """``snap`` with what the stored entries it extends hold in RAM (``extended``), so
+        one entry keeps the checkpoints of a whole conversation."""
+        for key in self._index.prefixes_of(tokens):
+            older = self._entries[key].payload()
+            if older is not None and len(self._entries[key].tokens) < len(tokens):
+                snap = extended(snap, older)
+        return snap
+
     def _redundant(self, e: _Entry) -> bool:
         """True (and that entry is touched) when a stored entry extending ``e``'s tokens
-        serves every length ``e`` would: it can be trimmed down as far as ``e`` can."""
+        serves every length ``e`` would."""
         for key in self._index.extensions_of(e.tokens):
             other = self._entries[key]
-            if other.floor <= e.floor:
+            if covers(other.spans, e.spans):
                 self._touch(other)
                 return True
         return False
@@ -236,25 +252,27 @@ class PrefixCache:
     def _admit(self, e: _Entry) -> None:
         """Put ``e`` in the index; the stored prefixes of its tokens it makes redundant go."""
         for key in self._index.prefixes_of(e.tokens):
-            if e.floor <= self._entries[key].floor:
+            if covers(e.spans, self._entries[key].spans):
                 self._drop(self._entries[key])
         e.used = next(self._clock)
         self._entries[e.key] = e
         self._index.add(e.key, e.tokens)
 
     def _candidates(self, tokens: tuple[int, ...]) -> Iterator[tuple[int, list[_Entry]]]:
-        """(usable length m, entries that can serve m exactly), largest m first."""
+        """(length m, entries that serve m exactly), largest m first: an entry serves the
+        longest of its lengths within the common prefix (and below the last prompt token)."""
         limit = len(tokens) - 1
         groups: dict[int, list[_Entry]] = {}
         for common, keys in self._index.matches(tokens):
-            m = min(common, limit)
-            if m < 1:
+            if min(common, limit) < 1:
                 break
-            groups.setdefault(m, []).extend(self._entries[k] for k in keys)
-        for m, entries in groups.items():  # insertion order: m descending
-            usable = [e for e in entries if e.floor <= m]
-            if usable:
-                yield m, usable
+            for key in keys:
+                e = self._entries[key]
+                m = best_length(e.spans, min(common, limit))
+                if m is not None:
+                    groups.setdefault(m, []).append(e)
+        for m in sorted(groups, reverse=True):
+            yield m, groups[m]
 
     def _touch(self, e: _Entry) -> None:
         e.used = next(self._clock)
@@ -265,7 +283,8 @@ class PrefixCache:
             self._writer.submit(TouchJob(self._path(e.key)))
 
     def _drop(self, e: _Entry) -> None:
-        """Remove ``e`` from every tier (its file too)."""
+        """Remove ``e`` from every tier (its file too): replaced by an entry that serves
+        what it served."""
         self._ram.remove(e.key)
         e.snap = None
         if e.job is not None:
@@ -276,9 +295,13 @@ class PrefixCache:
             e.on_disk = False
             self._disk.remove(e.key)
             self._delete_file(e.key)
-        self._forget(e)
+        self._forget(e, replaced=True)
 
-    def _forget(self, e: _Entry) -> None:
+    def _forget(self, e: _Entry, replaced: bool = False) -> None:
+        """``e`` leaves the index: evicted from its last tier, or ``replaced`` by an entry
+        that serves what it served (its checkpoints went there)."""
+        if not replaced:
+            self._count["checkpoints_evicted"] += e.checkpoints
         if self._entries.get(e.key) is e:
             del self._entries[e.key]
             self._index.remove(e.key)
@@ -291,9 +314,10 @@ class PrefixCache:
             snap, source = self._load(e), "disk"
             if snap is None:
                 return None
-            e.nbytes = snap.nbytes  # unknown until loaded, for entries found at start-up
+            e.nbytes, e.checkpoints = snap.nbytes, len(snap.checkpoints)  # unknown until loaded
             self._put_ram(e, snap)
         self._touch(e)
+        self._count["checkpoint_hits"] += m < snap.num_tokens - min(s.reach for s in snap.layers)
         return Hit(m, restore(snap, m), source)
 
     def _load(self, e: _Entry) -> Snapshot | None:
@@ -302,7 +326,7 @@ class PrefixCache:
         try:
             header, arrays = read_tensors(path, self.ns)
             snap = self._rebuild(header, arrays, path)
-            if header.tokens() != e.tokens or snap.num_tokens != len(e.tokens) or snap.floor != e.floor:
+            if header.tokens() != e.tokens or snap.num_tokens != len(e.tokens) or snap.spans != e.spans:
                 raise FileRefused("corrupt", "contents differ from what the index recorded")
             return snap
         except FileNotFoundError:
@@ -323,10 +347,18 @@ class PrefixCache:
         """Layers through ``kvserve.cache.serialize``'s class allowlist and state checks."""
         md = header.metadata
         tensors = {name: device_array(a, header.table[name]["dtype"]) for name, a in arrays.items()}
-        layers = [_load_layer(path, i, md, tensors) for i in range(int(md["num_layers"]))]
-        if not layers or sum(len(layer.state) for layer in layers) != len(tensors):
+        used = [0]
+
+        def load(i: int, prefix: str):
+            layer = _load_layer(path, i, md, tensors, prefix)
+            used[0] += len(layer.state)
+            return layer
+
+        snap = rebuild(md, load, self.ns.scheme, self.ns.quantize_after)
+        if not snap.layers or used[0] != len(tensors) or stored_layer_count(md) != \
+                len(snap.layers) + sum(len(c.layers) for c in snap.checkpoints):
             raise FileRefused("corrupt", "tensors the layers do not describe")
-        return snapshot_of_loaded(layers, self.ns.scheme, self.ns.quantize_after)
+        return snap
 
     # --- tiers ---------------------------------------------------------------------------
 
@@ -357,7 +389,7 @@ class PrefixCache:
         if jobs >= self._max_pending[0] or nbytes + e.nbytes > self._max_pending[1]:
             self._count["dropped_spills"] += 1
             return False
-        md = entry_metadata(self.ns, e.tokens, e.floor, layer_descriptions(snap))
+        md = entry_metadata(self.ns, e.tokens, e.spans, layer_descriptions(snap))
         e.job = WriteJob(e.key, self._path(e.key), md, host_tensors(snap), e.nbytes, payload=snap)
         self._pending = [jobs + 1, nbytes + e.nbytes]
         self._writer.submit(e.job)

@@ -79,7 +79,8 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     proposer = NgramProposer() if speculative == "ngram" else None
     if speculative == "draft":
         proposer = load_draft(replace(config, model=draft_model), bundle, scheme, blas, progress, device)
-    runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, proposer)
+    runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, proposer,
+                         cache.prompt_cache_checkpoint_tokens if cache is not None else 0)
     return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars,
                        kv_token_bytes=token_bytes(bundle.model, scheme), device=device)
 

@@ -108,6 +108,9 @@ class Request:
     fork_of: str | None = None
     swapped: bool = False  # preempted: its cache is on disk, its sampler kept
     num_prefix_cached: int = 0  # prompt tokens that came from the prefix cache
+    # Prompt lengths where a later prompt is likely to part from this one (the end of each
+    # rendered message): the prefix cache keeps checkpoints there for window and state layers.
+    boundaries: tuple[int, ...] = ()
 
     @property
     def num_cached(self) -> int:

@@ -47,6 +47,7 @@ import mlx.core as mx
 
 from kvserve.cache import KVScheme, PromptCache, load_layers, save_layers
 from kvserve.cache.recurrent import install_position_steps
+from kvserve.server.engine.checkpoints import Checkpoints
 from kvserve.server.engine.fastpath import last_logits
 from kvserve.server.engine.grammar import Grammars
 from kvserve.server.engine.heap import heap_stats
@@ -156,7 +157,8 @@ class ModelRunner:
     kv_bytes_by_rank: dict[int, int] = {}  # a model split across processes: each one's KV bytes
 
     def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None, prefix=None,
-                 grammars: Grammars | None = None, proposer: Proposer | None = None):
+                 grammars: Grammars | None = None, proposer: Proposer | None = None,
+                 checkpoint_every: int = 1024):
         self.model = model
         # Speculative decoding: who proposes (prompt lookup or a draft model); None: off.
         self.speculation = Speculator(proposer) if proposer is not None else None
@@ -166,6 +168,7 @@ class ModelRunner:
         self.grammars = grammars  # compiles the grammars of constrained requests
         self.prefix = prefix  # kvserve.cache.prefix.PrefixCache or None
         self._hits: dict[str, int] = {}  # prefix tokens found, not yet reported to the scheduler
+        self._checkpoints = Checkpoints(checkpoint_every)  # window/state layers kept mid-prompt
         self._tokens: dict[str, list[int]] = {}  # prompt + sampled tokens of each live request
         self._samplers: dict[str, RequestSampler] = {}
         self._single: dict[str, PromptCache] = {}  # B = 1 caches: prompts in progress, parked rows
@@ -187,8 +190,10 @@ class ModelRunner:
         cached = self._attach_prefixes(plan.prefill)
         prefilled = {c.request.request_id: c.num_tokens for c in plan.prefill}
         started = tuple(c for c in plan.prefill if c.request.request_id in self._hits)
-        together, alone = group_whole_prompts(tuple(c for c in plan.prefill if c not in started))
-        alone = [*started, *alone]  # a cached prefix continues in its own B = 1 cache
+        # A cached prefix continues in its own B = 1 cache; so do prompts cut for checkpoints.
+        together, _ = group_whole_prompts(tuple(c for c in plan.prefill if c not in started
+                                                and not self._cuts(c.request, 0, c.request.num_prompt_tokens)))
+        alone = [*started, *(c for c in plan.prefill if c not in started and c not in together)]
         joining: list[str] = []
         prompt_picks: dict[str, Pick] = {}
         for chunk in alone:
@@ -224,6 +229,7 @@ class ModelRunner:
             if cache is not None and cache.offset in (len(tokens) - 1, len(tokens)):
                 self._offer(tokens[: cache.offset], cache)
         self._hits.pop(request_id, None)
+        self._checkpoints.pop(request_id)
         if self.speculation is not None:
             self.speculation.release(request_id)
         self._samplers.pop(request_id, None)
@@ -302,12 +308,12 @@ class ModelRunner:
             return self._batch.extract(self._rows.index(request_id))
         return self._single.get(request_id)
 
-    def _offer(self, tokens: list[int], cache: PromptCache) -> None:
+    def _offer(self, tokens: list[int], cache: PromptCache, checkpoints=()) -> None:
         """Hand a snapshot of ``cache``, holding exactly ``tokens``, to the prefix cache."""
         if cache.offset != len(tokens):
             return
         try:
-            self.prefix.insert(tokens, cache)
+            self.prefix.insert(tokens, cache, checkpoints)
         except Exception as exc:  # an entry the store cannot take is skipped, never fatal
             log.warning("prefix cache refused an entry: %s: %s", type(exc).__name__, exc)
 
@@ -321,10 +327,17 @@ class ModelRunner:
         hit = self._hits.pop(request.request_id, 0)
         start = request.num_computed + hit
         n = min(chunk.num_tokens, request.num_prompt_tokens - start)
-        tokens = mx.array(request.prompt_tokens[start : start + n])[None]  # (1, L)
-        if start + n < request.num_prompt_tokens:
-            self.model(tokens, cache=cache)
+        at = start
+        for cut in self._cuts(request, start, start + n):  # checkpoints of window/state layers
+            self.model(mx.array(request.prompt_tokens[at:cut])[None], cache=cache)
             cache.maybe_convert()
+            self._checkpoints.take(request.request_id, cache)
+            at = cut
+        tokens = mx.array(request.prompt_tokens[at : start + n])[None]  # (1, L)
+        if start + n < request.num_prompt_tokens:
+            if at < start + n:
+                self.model(tokens, cache=cache)
+                cache.maybe_convert()
             mx.eval(cache.state)
             return {}, hit + n
         logits = last_logits(self.model, tokens, cache)  # (1, V)
@@ -350,7 +363,8 @@ class ModelRunner:
         if self.prefix is not None:
             for i, r in enumerate(requests):
                 if not is_warmup(r.request_id):  # the engine's own warm-up is not worth keeping
-                    self._offer(r.prompt_tokens, cache.extract(i) if cache.is_batch else cache)
+                    self._offer(r.prompt_tokens, cache.extract(i) if cache.is_batch else cache,
+                                self._checkpoints.pop(r.request_id))
 
     def _prefill_together(self, chunks: list[PrefillChunk]) -> dict[str, Pick]:
         """Whole prompts in one left-padded forward (a larger matmul per weight read than
@@ -372,6 +386,14 @@ class ModelRunner:
         self._last.update((r, p.token) for r, p in zip(ids, picks))
         self._add_rows(cache, ids)
         return dict(zip(ids, picks))
+
+    def _cuts(self, request: Request, start: int, end: int) -> list[int]:
+        """Where the prefill of prompt tokens [start, end) stops for checkpoints (none
+        without a prefix cache, for the warm-up, or for models of full attention only)."""
+        if self.prefix is None or is_warmup(request.request_id):
+            return []
+        windows, states = self._checkpoints.kinds(self._new_cache)
+        return self._checkpoints.cuts(request, start, end, windows, states)
 
     def _single_cache(self, request: Request) -> PromptCache:
         if request.request_id not in self._single:

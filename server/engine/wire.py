@@ -72,7 +72,7 @@ def _counters(r: Request) -> list:
 
 def _full(r: Request) -> dict[str, Any]:
     return {"id": r.request_id, "prompt": r.prompt_tokens, "params": params_to_dict(r.params),
-            "forks": [_full(f) for f in r.forks]}
+            "boundaries": list(r.boundaries), "forks": [_full(f) for f in r.forks]}
 
 
 def plan_message(plan: StepPlan, sent: set[str]) -> dict[str, Any]:
@@ -120,7 +120,8 @@ class Mirror:
             r.status = RequestStatus.FINISHED
 
     def _add(self, full: dict[str, Any], leader: str | None = None) -> Request:
-        r = Request(list(full["prompt"]), params_from_dict(full["params"]), request_id=full["id"], fork_of=leader)
+        r = Request(list(full["prompt"]), params_from_dict(full["params"]), request_id=full["id"], fork_of=leader,
+                    boundaries=tuple(full["boundaries"]))
         r.forks = [self._add(f, r.request_id) for f in full["forks"]]
         self.requests[r.request_id] = r
         return r

@@ -75,7 +75,8 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
                             "response_format" if body.response_format else "tool_choice")
         shape = Shape(chat=True, model=name, id_prefix="chatcmpl",
                       logprobs=logprobs if body.logprob_request()[0] else None, splitter=chat.splitter)
-        return await _generate(engine, body, chat.tokens, shape, http_request, grammar=chat.grammar)
+        return await _generate(engine, body, chat.tokens, shape, http_request, grammar=chat.grammar,
+                               boundaries=chat.boundaries)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http_request: HTTPRequest):
@@ -124,8 +125,9 @@ def _prompt_tokens(tokenizer: Any, prompt: str | list[int], vocab: int) -> list[
 
 
 async def _generate(engine: Engine, body: SamplingFields, tokens: list[int], shape: Shape,
-                    http_request: HTTPRequest, prefix: str = "", grammar: Grammar | None = None):
-    job = submit(engine, body, tokens, http_request, grammar)
+                    http_request: HTTPRequest, prefix: str = "", grammar: Grammar | None = None,
+                    boundaries: tuple[int, ...] = ()):
+    job = submit(engine, body, tokens, http_request, grammar, boundaries=boundaries)
     events = (lambda: sse_events(shape, job.stream, body.include_usage, job.abort, prefix,
                                  http_request.app.state.sse_keepalive_s)) if body.stream else None
     return await answer(job, http_request, events, lambda: collect(shape, job.stream, http_request, prefix))

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any, Callable
 
 from kvserve.server.engine.grammar import Grammar, GrammarError, Grammars
-from kvserve.server.http.conversation import TemplateError, render_prompt
+from kvserve.server.http.conversation import TemplateError, message_ends, render_prompt
 from kvserve.server.http.errors import APIError
 from kvserve.server.http.structured import StructureError, response_format_grammar, tool_call_grammar
 from kvserve.server.http.tools import ReplySplitter, ToolFormat
@@ -47,16 +47,19 @@ class PreparedChat:
     grammar: Grammar | None
     splitter: Callable[[], ReplySplitter] | None
     tool_format: ToolFormat
+    boundaries: tuple[int, ...] = ()  # where messages end in ``tokens`` (prefix-cache checkpoints)
 
 
-def prepare_chat(chat: ChatInput, tokenizer: Any, param: str = "messages") -> PreparedChat:
+def prepare_chat(chat: ChatInput, tokenizer: Any, param: str = "messages", boundaries: bool = True) -> PreparedChat:
     """Render the prompt and build the output grammar; a conversation the template refuses
-    or a structure that cannot be enforced is a 400."""
+    or a structure that cannot be enforced is a 400. ``boundaries``: also where each message
+    ends in the prompt (``message_ends``; a token count needs none)."""
     fmt = ToolFormat.of(tokenizer)
     try:
         tokens = render_prompt(tokenizer, chat.messages, chat.tools, fmt, **chat.template_kwargs)
     except TemplateError as exc:
         raise APIError(400, str(exc), param=param) from None
+    ends = message_ends(tokenizer, chat.messages, chat.tools, fmt, tokens, **chat.template_kwargs) if boundaries else ()
     try:
         grammar = tool_call_grammar(fmt, chat.tools or [], chat.tool_choice, chat.parallel_tool_calls) \
             if chat.wants_calls else None
@@ -70,7 +73,7 @@ def prepare_chat(chat: ChatInput, tokenizer: Any, param: str = "messages") -> Pr
     if chat.wants_calls or think:
         thinking = think is not None and _opens_thinking(tokenizer, tokens, think[0])
         splitter = partial(ReplySplitter, fmt if chat.wants_calls else None, chat.tools, think, thinking)
-    return PreparedChat(tokens, grammar, splitter, fmt)
+    return PreparedChat(tokens, grammar, splitter, fmt, ends)
 
 
 async def check_grammar(grammars: Grammars | None, grammar: Grammar | None, param: str) -> None:

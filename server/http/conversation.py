@@ -49,6 +49,40 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None
     return list(tokens)
 
 
+# Boundaries rendered per prompt: the first message (a system prompt, tools), and the last
+# few (where a retry or an edited turn parts). Each costs one more template render.
+FIRST_ENDS, LAST_ENDS = 1, 3
+
+
+def message_ends(tokenizer: Any, messages: list[dict], tools: list[dict] | None, fmt: ToolFormat,
+                 tokens: list[int], **template_kwargs: Any) -> tuple[int, ...]:
+    """Prompt lengths where a message of ``messages`` ends in ``tokens`` (the rendered
+    prompt): each earlier message rendered alone up to it, the length it shares with the
+    prompt. A later prompt with the same start parts there, so the prefix cache keeps
+    checkpoints of window and state layers at these lengths. Messages a template refuses
+    to end on (some want a user turn last) give none.
+
+        system prompt + tools | user turn 1 | assistant turn 1 | user turn 2 | <assistant>
+                              ^ end 1                          ^ end 3
+    """
+    rendered = render_messages(messages, tools, fmt)
+    kwargs = dict(template_kwargs)
+    if tools and fmt.native:
+        kwargs["tools"] = tools
+    count = len(rendered)
+    picks = sorted({*range(1, min(FIRST_ENDS, count - 1) + 1), *range(max(1, count - LAST_ENDS), count)})
+    ends = set()
+    for k in picks:
+        try:
+            head = tokenizer.apply_chat_template(rendered[:k], add_generation_prompt=False, **kwargs)
+        except Exception:  # noqa: BLE001 - a template may refuse to end there; that end is skipped
+            continue
+        shared = next((i for i, (a, b) in enumerate(zip(head, tokens)) if a != b), min(len(head), len(tokens)))
+        if 0 < shared < len(tokens):
+            ends.add(shared)
+    return tuple(sorted(ends))
+
+
 def render_messages(messages: list[dict], tools: list[dict] | None, fmt: ToolFormat) -> list[dict]:
     """The messages the template gets: as they are for a native template, else in the
     Hermes convention (tools in the system prompt, calls and results as text)."""

@@ -56,14 +56,14 @@ def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits:
 SEED_SPAN = 2**64
 
 
-def make_request(tokens: list[int], params: SamplingParams, n: int) -> Request:
+def make_request(tokens: list[int], params: SamplingParams, n: int, boundaries: tuple[int, ...] = ()) -> Request:
     """One engine request; choices 2..n are its forks (seeded ones with seeds s+1, s+2, ...).
 
     >>> r = make_request([1, 2], SamplingParams(seed=7), 3)
     >>> [f.params.seed for f in r.forks], r.forks[0].fork_of == r.request_id
     ([8, 9], True)
     """
-    leader = Request(prompt_tokens=tokens, params=params)
+    leader = Request(prompt_tokens=tokens, params=params, boundaries=boundaries)
     for i in range(1, n):
         seed = None if params.seed is None else (params.seed + i) % SEED_SPAN
         fork_params = dataclasses.replace(params, seed=seed)
@@ -97,12 +97,14 @@ class Submitted:
 
 
 def submit(engine: Engine, body: SamplingFields, tokens: list[int], http_request: HTTPRequest,
-           grammar: Grammar | None = None, prompt_param: str | None = None) -> Submitted:
+           grammar: Grammar | None = None, prompt_param: str | None = None,
+           boundaries: tuple[int, ...] = ()) -> Submitted:
     """Validate against the model, queue the request (429 when the queue is full) and track
-    it for the drain; ``prompt_param`` names the prompt's field in a too-long error."""
+    it for the drain; ``prompt_param`` names the prompt's field in a too-long error;
+    ``boundaries``: where the prompt's messages end (``Request.boundaries``)."""
     params = sampling_params(body, len(tokens), engine.model.info.context_length, engine.config,
                              engine.model.info.vocab_size, grammar, prompt_param)
-    request = make_request(tokens, params, body.n)
+    request = make_request(tokens, params, body.n, boundaries)
     members = [request, *request.forks]
     stream = EventStream([r.request_id for r in members])
     try:

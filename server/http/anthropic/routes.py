@@ -41,7 +41,8 @@ def install_anthropic_routes(app: FastAPI, engine: Engine, names: ModelNames) ->
         chat = prepare_chat(chat_input(body), model.tokenizer)
         await check_grammar(model.grammars, chat.grammar, "tool_choice")
         splitter = chat.splitter() if chat.splitter is not None else ReplySplitter(None)
-        job = submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar, "messages")
+        job = submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar, "messages",
+                     chat.boundaries)
         prompt = len(chat.tokens)
         events = (lambda: message_events(job.stream, splitter, name, prompt, job.abort,
                                          http_request.app.state.sse_keepalive_s)) if body.stream else None
@@ -52,7 +53,7 @@ def install_anthropic_routes(app: FastAPI, engine: Engine, names: ModelNames) ->
     @app.post(f"{PREFIX}/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         names.check(body.model)
-        chat = prepare_chat(chat_input(body), model.tokenizer)
+        chat = prepare_chat(chat_input(body), model.tokenizer, boundaries=False)
         return {"input_tokens": len(chat.tokens)}
 
 

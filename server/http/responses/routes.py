@@ -56,6 +56,7 @@ async def _prepare(body: ResponsesRequest, engine: Engine) -> PreparedChat:
 
 def _submit(engine: Engine, body: ResponsesRequest, chat: PreparedChat, http_request: HTTPRequest) -> Submitted:
     try:
-        return submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar)
+        return submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar,
+                      boundaries=chat.boundaries)
     except APIError as exc:
         raise renamed(exc) from None
