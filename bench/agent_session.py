@@ -16,7 +16,12 @@ calling: both servers then get identical prompt tokens, and mlx_lm.server (which
 ``tools`` to a template that ignores them) gets the tools at all.
 
 Each server is restarted after ``--restart-after`` turns: kvserve keeps its prefix cache on
-disk, mlx_lm.server's prompt cache lives in memory.
+disk, mlx_lm.server's prompt cache lives in memory. Then two new sessions start: the same
+system prompt and tools, other tasks.
+
+``--template gemma`` is for a model without a chat template (Gemma 3 270M's GGUF is the base
+model's): the bench renders the conversation itself in Gemma's turn format and sends it to
+``/v1/completions``, so the server sees no messages, only text.
 """
 
 from __future__ import annotations
@@ -88,7 +93,22 @@ def tool_result(turn: int) -> str:
 
 
 TASKS = ["The date parser rejects ISO dates like 2024-05-01. Fix it.",
-         "Add a --verbose flag to the command line tool and document it in the README."]
+         "Add a --verbose flag to the command line tool and document it in the README.",
+         "The test suite is slow; find the slowest test and make it faster."]
+
+
+def gemma_text(messages: list[dict]) -> str:
+    """Gemma's turn format, the system prompt opening the first user turn (as Gemma 3's own
+    template renders it); the tokenizer adds ``<bos>``."""
+    out, system = [], ""
+    for m in messages:
+        if m["role"] == "system":
+            system = m["content"] + "\n\n"
+            continue
+        role = "model" if m["role"] == "assistant" else "user"
+        out.append(f"<start_of_turn>{role}\n{system}{m['content']}<end_of_turn>\n")
+        system = ""
+    return "".join(out) + "<start_of_turn>model\n"
 
 
 def conversation(turn: int, prompt_tokens: int, task: int = 0) -> list[dict]:
@@ -103,35 +123,44 @@ def conversation(turn: int, prompt_tokens: int, task: int = 0) -> list[dict]:
     return render_messages(messages, tools(), ToolFormat.hermes())
 
 
-def system_prompt_tokens(model_dir: Path, prompt_tokens: int) -> list[int]:
+def system_prompt_tokens(model_dir: Path, prompt_tokens: int, template: str | None) -> list[int]:
     """The tokens both tasks' prompts share: the longest common start of the two renderings."""
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    a, b = (tokenizer.apply_chat_template(conversation(0, prompt_tokens, t), add_generation_prompt=True)
+    a, b = (tokenizer.encode(gemma_text(conversation(0, prompt_tokens, t)))
+            if template == "gemma" else
+            tokenizer.apply_chat_template(conversation(0, prompt_tokens, t), add_generation_prompt=True)
             for t in (0, 1))
     return a[:next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)]
 
 
-def one_turn(running: Running, messages: list[dict]) -> dict:
-    body = {"model": running.model_name, "messages": messages, "temperature": 0, "max_tokens": 16,
+def one_turn(running: Running, messages: list[dict], template: str | None = None) -> dict:
+    body = {"model": running.model_name, "temperature": 0, "max_tokens": 16,
             "stream": True, "stream_options": {"include_usage": True}}
-    first, usage = streamed_ttft(running, body)
+    if template == "gemma":
+        body["prompt"] = gemma_text(messages)
+        first, usage = streamed_ttft(running, body, "/v1/completions")
+    else:
+        body["messages"] = messages
+        first, usage = streamed_ttft(running, body)
     details = usage.get("prompt_tokens_details") or {}
     return {"ttft": first, "prompt_tokens": usage.get("prompt_tokens"), "cached": details.get("cached_tokens")}
 
 
-def session(target: Target, model_dir: Path, turns: int, restart_after: int, prompt_tokens: int) -> list[dict]:
+def session(target: Target, model_dir: Path, turns: int, restart_after: int, prompt_tokens: int,
+            template: str | None = None) -> list[dict]:
     rows, running = [], Running(target, model_dir)
     try:
         for turn in range(turns):
             if turn == restart_after:
                 running.stop()
                 running = Running(target, model_dir)
-            row = one_turn(running, conversation(turn, prompt_tokens))
+            row = one_turn(running, conversation(turn, prompt_tokens), template)
             rows.append({"turn": turn + 1, "restarted": turn == restart_after, **row})
-        # Another session with the same system prompt and tools, and another task.
-        rows.append({"turn": "new session", "restarted": False, **one_turn(running, conversation(0, prompt_tokens, 1))})
+        for task in (1, 2):  # other sessions with the same system prompt and tools
+            row = one_turn(running, conversation(0, prompt_tokens, task), template)
+            rows.append({"turn": f"new session {task}", "restarted": False, **row})
     finally:
         running.stop()
     return rows
@@ -145,21 +174,23 @@ def render(ours: list[dict], peer: list[dict] | None, args, model_dir: Path, arg
              "| mlx_lm.server TTFT (s) |", "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(ours):
         share = (r["cached"] or 0) / r["prompt_tokens"]
-        new = r["prompt_tokens"] - (ours[i - 1]["prompt_tokens"] if i and r["turn"] != "new session" else 0)
+        new = r["prompt_tokens"] - (ours[i - 1]["prompt_tokens"] if i and isinstance(r["turn"], int) else 0)
         theirs = f"{peer[i]['ttft']:.3f}" if peer else "-"
         mark = " (after restart)" if r["restarted"] else ""
         lines.append(f"| {r['turn']}{mark} | {r['prompt_tokens']} | {new} | {r['cached']} | {share:.1%} "
                      f"| {r['ttft']:.3f} | {theirs} |")
-    fresh, ours = ours[-1], ours[:-1]
+    fresh, ours = ours[-2:], ours[:-2]
     later = ours[1:]
     cached, total = sum(r["cached"] or 0 for r in later), sum(r["prompt_tokens"] for r in later)
     lines += ["", f"Turns 2-{args.turns}: {cached} of {total} prompt tokens served from the prefix cache "
               f"({cached / total:.1%}); lowest turn {min((r['cached'] or 0) / r['prompt_tokens'] for r in later):.1%}."]
-    system = len(system_prompt_tokens(model_dir, args.prompt_tokens))
-    lines.append(f"A new session (same system prompt and tools, another task): {fresh['cached']} of its "
-                 f"{fresh['prompt_tokens']} prompt tokens cached; the shared start is {system} tokens.")
+    system = len(system_prompt_tokens(model_dir, args.prompt_tokens, args.template))
+    for r in fresh:
+        lines.append(f"{r['turn'].capitalize()} (same system prompt and tools, another task): {r['cached']} of "
+                     f"{r['prompt_tokens']} prompt tokens cached (the shared start is {system} tokens), "
+                     f"TTFT {r['ttft']:.3f} s = {r['ttft'] / ours[0]['ttft']:.2f}x turn 1's.")
     if peer:
-        ours_t, peer_t = sum(r["ttft"] for r in later), sum(r["ttft"] for r in peer[1:-1])
+        ours_t, peer_t = sum(r["ttft"] for r in later), sum(r["ttft"] for r in peer[1:-2])
         lines.append(f"TTFT summed over turns 2-{args.turns}: kvserve {ours_t:.2f} s, mlx_lm.server {peer_t:.2f} s.")
     return "\n".join(lines) + "\n"
 
@@ -173,14 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=2000, help="about this many in the system prompt")
     p.add_argument("--kv-scheme", default="fp16")
     p.add_argument("--skip-peer", action="store_true")
+    p.add_argument("--template", choices=("gemma",), help="render the chat here and send completions")
     p.add_argument("--out", help="write the Markdown report here")
     args = p.parse_args(argv)
     model_dir = default_model_dir(args.model)
     with tempfile.TemporaryDirectory(prefix="kvserve-agent-bench-") as cache:
         target = Target.parse(f"kvserve:--kv-scheme {args.kv_scheme} --prompt-cache-dir {cache}")
-        ours = session(target, model_dir, args.turns, args.restart_after, args.prompt_tokens)
+        ours = session(target, model_dir, args.turns, args.restart_after, args.prompt_tokens, args.template)
     peer = None if args.skip_peer else session(Target.parse("mlx_lm:"), model_dir, args.turns,
-                                               args.restart_after, args.prompt_tokens)
+                                               args.restart_after, args.prompt_tokens, args.template)
     report = render(ours, peer, args, model_dir, argv)
     publish(report, args.out)
     return 0

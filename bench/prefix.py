@@ -57,15 +57,17 @@ def ttft(running: Running, prompt: str) -> tuple[float, dict]:
     return streamed_ttft(running, chat_bodies(running.model_name, [prompt], 8)[0])
 
 
-def streamed_ttft(running: Running, body: dict) -> tuple[float, dict]:
-    """Send a streamed chat ``body``: seconds to its first content token, and its usage."""
+def streamed_ttft(running: Running, body: dict, path: str = "/v1/chat/completions") -> tuple[float, dict]:
+    """Send a streamed chat (or, with ``path`` /v1/completions, completion) ``body``:
+    seconds to its first content token, and its usage."""
     start, first, usage = time.perf_counter(), None, {}
-    with httpx.stream("POST", f"{running.base_url}/v1/chat/completions", json=body, timeout=600) as response:
+    with httpx.stream("POST", f"{running.base_url}{path}", json=body, timeout=600) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+            texts = [c.get("text") or (c.get("delta") or {}).get("content") for c in chunk.get("choices") or []]
+            if first is None and any(texts):
                 first = time.perf_counter() - start
             usage = chunk.get("usage") or usage
     if first is None:

@@ -11,7 +11,10 @@ budget does), then 16 tokens are decoded. Three containers hold the same tokens:
 * kvserve, every layer a full cache of the scheme (what the engine held before it knew windows);
 * mlx-lm's own ``make_prompt_cache`` (fp16 only: its rotating cache cannot be quantized).
 
-It prints, per scheme, allocated bytes (``nbytes``) and the stored tokens of each layer kind.
+It prints, per scheme, allocated bytes (``nbytes``) and the stored tokens of each layer kind,
+and what one prefix-cache checkpoint of the sliding layers takes (``checkpoints.capture``:
+the copies of what the windows hold, in the scheme), and so per 1,000 shared tokens at the
+default grid of one checkpoint every 1,024 prompt tokens (message ends add one each).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import gemma3_text
 
 from kvserve.cache import PromptCache, SlidingKVCache, make_layer_cache, parse_scheme
+from kvserve.cache.prefix.checkpoints import capture
+
+GRID = 1024  # cache.prompt_cache_checkpoint_tokens' default
 
 CHUNK = 256
 DECODE = 16
@@ -71,7 +77,8 @@ def measure(model, scheme: str, context: int) -> list[dict]:
     windowed = PromptCache.for_model(model, scheme)
     fill(model, windowed, context)
     rows.append({"scheme": scheme, "caches": "kvserve (sliding windows)", "bytes": windowed.nbytes,
-                 "stored": stored_bytes(windowed), "tokens": stored_tokens(windowed)})
+                 "stored": stored_bytes(windowed), "tokens": stored_tokens(windowed),
+                 "checkpoint": capture(windowed).nbytes})
     assert isinstance(windowed[0], SlidingKVCache)
     full = PromptCache([make_layer_cache(parse_scheme(scheme)) for _ in model.layers], scheme)
     fill(model, full, context)
@@ -91,13 +98,15 @@ def report(rows: list[dict], context: int) -> str:
     lines = [f"Gemma-3-270M-shaped attention, 6 layers (5 sliding, window 512, 1 full), "
              f"{context} + {DECODE} tokens, {platform.machine()} CPU, MLX {mx.__version__}.", "",
              "| scheme | caches | KV MiB allocated | KV MiB stored | tokens stored (sliding / full layer) "
-             "| allocated vs full caches |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+             "| allocated vs full caches | checkpoint KiB | checkpoint KiB per 1,000 tokens |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     full = {r["scheme"]: r["bytes"] for r in rows if r["caches"].startswith("kvserve, full")}
     for r in rows:
+        cp = (f"{r['checkpoint'] / 2**10:.0f} | {r['checkpoint'] / 2**10 * 1000 / GRID:.0f}"
+              if "checkpoint" in r else "- | -")
         lines.append(f"| {r['scheme']} | {r['caches']} | {r['bytes'] / 2**20:.2f} | "
                      f"{r['stored'] / 2**20:.2f} | {r['tokens']} | "
-                     f"{r['bytes'] / full[r['scheme']]:.2f}x |")
+                     f"{r['bytes'] / full[r['scheme']]:.2f}x | {cp} |")
     return "\n".join(lines) + "\n"
 
 

@@ -12,10 +12,9 @@ Per (architecture, scheme) one server runs every check, restarted once:
   test_batching.py pins for its own model, flips there). The concurrent requests start from
   whatever the lone ones left in the prefix cache, so they are compared with a second lone
   round that did too (a quantized hit differs from a cold prefill by design); fp16 also
-  equals the first, cold round. Full-attention models find each prompt but its last token
-  cached; a window that has dropped tokens, or a recurrent state, cannot give back one token,
-  so those prompts prefill cold, together in one padded batch. The engine's step count shows
-  the rows decoded together.
+  equals the first, cold round. Every model finds each prompt but its last token cached (a
+  window reaches back that far; a recurrent state comes from the checkpoint the prefix cache
+  keeps at that length). The engine's step count shows the rows decoded together.
 - the prefix cache across a restart: prompt A gets reply R; A + R + B starts from a cached
   prefix (A, or A plus R as far as it was fed), and again, sent a second time, from what is
   cached then; after SIGTERM (which drains and flushes the disk writer) a new server on the

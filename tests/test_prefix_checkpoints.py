@@ -138,6 +138,49 @@ def test_a_grid_checkpoint_serves_a_prompt_that_parts_mid_message(scheme):
     assert cached == 32  # the grid point inside the 50 shared tokens
 
 
+def test_where_a_second_prompt_parts_the_third_resumes(arch_model):
+    """Without message ends or a grid (completions), the second prompt with a known start
+    keeps a checkpoint where it parts from the first; the third with that start hits it."""
+    _, model = arch_model
+    runner = runner_for(model, "fp16")
+    cached = [generate(runner, SYSTEM + prompt_tokens(seed, 40), f"r{seed}")[1] for seed in (2, 3, 4)]
+    assert cached == [0, 0, len(SYSTEM)]
+
+
+def test_prompts_prefilled_together_keep_their_last_token_checkpoints(monkeypatch):
+    """Left-padded prompts end in one column: the batched prefill stops before it, so each
+    row keeps the checkpoint a re-send resumes from."""
+    runner = runner_for(build_model("qwen3_5"), "fp16")
+    batches = []
+    together = runner._prefill_together
+    monkeypatch.setattr(runner, "_prefill_together", lambda chunks: batches.append(len(chunks)) or together(chunks))
+    prompts = [prompt_tokens(2, 30), prompt_tokens(3, 28)]
+    drive(runner, [Request(p, SamplingParams(max_tokens=4, temperature=0.0), request_id=f"t{i}")
+                   for i, p in enumerate(prompts)], prefill=64, step_tokens=128)
+    assert batches == [2]
+    assert [generate(runner, p, f"again{i}")[1] for i, p in enumerate(prompts)] == [29, 27]
+
+
+def test_message_ends_are_where_the_rendered_messages_end(default_model_dir):
+    """The first message's end and the last few, as the chat template renders them; a
+    template that ends a prefix differently (here: none does) only shortens what is shared."""
+    from mlx_lm.tokenizer_utils import load
+
+    from kvserve.server.http.conversation import message_ends, render_prompt
+    from kvserve.server.http.tools import ToolFormat
+
+    tokenizer = load(default_model_dir)
+    fmt = ToolFormat.of(tokenizer)
+    chat = [{"role": "system", "content": "Be brief. " * 20}, {"role": "user", "content": "Hi there."},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}]
+    tokens = render_prompt(tokenizer, chat, None, fmt)
+    ends = message_ends(tokenizer, chat, None, fmt, tokens)
+    assert [tokenizer.decode(tokens[e - 2:e]) for e in ends] == ["<|im_end|>\n"] * 4
+    assert len(ends) == 4  # message 1, then messages 3-5 (the last three before the prompt's own)
+    assert tokenizer.decode(tokens[:ends[0]]).count("<|im_end|>") == 1
+
+
 # --- the store: budgets, eviction, refusals -----------------------------------------------
 
 def stored(model, scheme="affine4", n=40):

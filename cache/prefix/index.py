@@ -18,8 +18,8 @@ one token) and yields groups by common-prefix length, longest first: (4, [b]) â€
     ...     ix.add(key, seq)
     >>> list(ix.matches([1, 2, 3, 9, 5]))
     [(4, ['b']), (3, ['a']), (1, ['c'])]
-    >>> ix.prefixes_of([1, 2, 3, 4, 5]), sorted(ix.extensions_of([1, 2]))
-    (['a'], ['a', 'b'])
+    >>> ix.prefixes_of([1, 2, 3, 4, 5]), sorted(ix.extensions_of([1, 2])), ix.shared([1, 2, 3, 9, 5])
+    (['a'], ['a', 'b'], 4)
     >>> ix.remove("a"); list(ix.matches([1, 2, 3, 4]))
     [(3, ['b']), (1, ['c'])]
 """
@@ -158,6 +158,10 @@ class RadixIndex:
                 yield depth, keys
             depth -= len(node.edge)
             below, node = node, node.parent
+
+    def shared(self, tokens: Sequence[int]) -> int:
+        """The longest prefix of ``tokens`` that some stored sequence starts with."""
+        return self._walk(tokens)[1]
 
     def prefixes_of(self, tokens: Sequence[int]) -> list[str]:
         """Keys whose sequence is a prefix of ``tokens`` (``tokens`` itself included), shortest first."""

@@ -147,6 +147,14 @@ class PrefixCache:
         self._count["misses"] += 1
         return None
 
+    def parting(self, prompt: Iterable[int]) -> int:
+        """How many first tokens of ``prompt`` some stored entry starts with: where this
+        prompt parts from what is cached. A model whose layers cannot trim keeps a checkpoint
+        there, so the next prompt with that same start resumes at its end (the way two
+        conversations with one system prompt tell where it ends, without a template)."""
+        self._check_open()
+        return self._index.shared(as_tokens(prompt))
+
     def insert(self, tokens: Iterable[int], cache: PromptCache, checkpoints: Iterable[Checkpoint] = ()) -> bool:
         """Store a snapshot of ``cache`` (B = 1, ``offset == len(tokens)``) for ``tokens``,
         with ``checkpoints`` of its window and state layers at shorter lengths

@@ -4,9 +4,10 @@ A model with sliding-window or recurrent-state layers can only resume from the l
 prefix cache holds those layers at (``kvserve.cache.prefix.checkpoints``). The runner asks
 ``cuts`` where to split a prompt chunk: the end of each rendered message (where the next
 conversation with the same system prompt, or a retry with an edited last turn, parts), a
-grid of every ``every`` tokens (a long document that parts mid-message), and, when a layer
-cannot trim at all, the last prompt token minus one (an identical re-send recomputes one
-token). After each piece it calls ``take``; when the prompt completes, ``pop`` hands the
+grid of every ``every`` tokens (a long document that parts mid-message), where the prompt
+parts from the longest cached one (``part``: a second prompt with a known start marks where
+that start ends, for the third), and, when a layer cannot trim at all, the last prompt token
+minus one (an identical re-send recomputes one token). After each piece it calls ``take``; when the prompt completes, ``pop`` hands the
 checkpoints to the prefix cache with the prompt's entry.
 
     >>> from kvserve.server.engine.request import Request, SamplingParams
@@ -36,6 +37,7 @@ class Checkpoints:
     def __init__(self, every: int):
         self.every = every
         self._taken: dict[str, list[Checkpoint]] = {}
+        self._parting: dict[str, int] = {}  # where a prompt parts from the cached ones
         self._kinds: tuple[bool, bool] | None = None  # (window or state layers, a state layer)
 
     def kinds(self, fresh: Callable[[], PromptCache]) -> tuple[bool, bool]:
@@ -46,13 +48,18 @@ class Checkpoints:
             self._kinds = (bool(checkpointed_kinds(cache)), cannot_trim_at_all(cache))
         return self._kinds
 
+    def part(self, request_id: str, at: int) -> None:
+        """The request's prompt parts from the cached ones after ``at`` tokens
+        (``PrefixCache.parting``): one more cut there."""
+        self._parting[request_id] = at
+
     def cuts(self, request: Request, start: int, end: int, windows: bool, states: bool) -> list[int]:
         """Prompt lengths in (start, end] to stop at, ascending (module doc); never the
         prompt's own length, which its entry holds."""
         if not windows:
             return []
         n = request.num_prompt_tokens
-        points = set(request.boundaries)
+        points = {*request.boundaries, self._parting.get(request.request_id, 0)}
         if self.every:
             points.update(range(self.every, n, self.every))
         if states:
@@ -63,4 +70,5 @@ class Checkpoints:
         self._taken.setdefault(request_id, []).append(capture(cache))
 
     def pop(self, request_id: str) -> list[Checkpoint]:
+        self._parting.pop(request_id, None)
         return self._taken.pop(request_id, [])

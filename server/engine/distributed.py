@@ -259,6 +259,15 @@ class AgreedPrefix:
             return None
         return hit
 
+    def parting(self, tokens) -> int:
+        """The shortest of every rank's ``parting``: each rank's prefill stops there, so
+        their forwards (and the collectives inside them) stay in step."""
+        mine = mx.array([self.prefix.parting(tokens)], dtype=mx.int32)
+        try:
+            return min(mx.distributed.all_gather(mine, group=self.group).tolist())
+        except RuntimeError as exc:
+            raise group_lost(self.group, exc) from None
+
 
 class PeerWatch(threading.Thread):
     """Calls ``lost(reason)`` once, when a connection to a peer of the ring closes (the peer

@@ -190,9 +190,11 @@ class ModelRunner:
         cached = self._attach_prefixes(plan.prefill)
         prefilled = {c.request.request_id: c.num_tokens for c in plan.prefill}
         started = tuple(c for c in plan.prefill if c.request.request_id in self._hits)
-        # A cached prefix continues in its own B = 1 cache; so do prompts cut for checkpoints.
+        # A cached prefix continues in its own B = 1 cache; so do prompts cut for checkpoints
+        # before their last token (left-padded rows end together: that cut is one column).
         together, _ = group_whole_prompts(tuple(c for c in plan.prefill if c not in started
-                                                and not self._cuts(c.request, 0, c.request.num_prompt_tokens)))
+                                                and self._cuts(c.request, 0, c.request.num_prompt_tokens)
+                                                in ([], [c.request.num_prompt_tokens - 1])))
         alone = [*started, *(c for c in plan.prefill if c not in started and c not in together)]
         joining: list[str] = []
         prompt_picks: dict[str, Pick] = {}
@@ -297,6 +299,8 @@ class ModelRunner:
             self._samplers[request.request_id] = RequestSampler(request.params, self.grammars)
             self._tokens[request.request_id] = list(request.prompt_tokens)
             hit = self.prefix.lookup(request.prompt_tokens) if self.prefix is not None else None
+            if self.prefix is not None and self._checkpoints.kinds(self._new_cache)[0]:
+                self._checkpoints.part(request.request_id, self.prefix.parting(request.prompt_tokens))
             if hit is not None:
                 self._single[request.request_id] = hit.cache
                 self._hits[request.request_id] = found[request.request_id] = hit.num_tokens
@@ -379,6 +383,13 @@ class ModelRunner:
         cache = PromptCache.merge([self._new_cache() for _ in requests])
         cache.prepare(left_padding=padding)
         tokens = mx.array([[0] * pad + r.prompt_tokens for r, pad in zip(requests, padding)])  # (B, L)
+        wants = [bool(self._cuts(r, 0, r.num_prompt_tokens)) for r in requests]  # at the last token - 1
+        if any(wants):
+            self.model(tokens[:, :-1], cache=cache)
+            for i, r in enumerate(requests):
+                if wants[i]:
+                    self._checkpoints.take(r.request_id, cache.extract(i))
+            tokens = tokens[:, -1:]
         logits = last_logits(self.model, tokens, cache)  # (B, V)
         self._complete(cache, requests)
         ids = [r.request_id for r in requests]
