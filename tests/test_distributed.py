@@ -146,6 +146,11 @@ def test_other_families_split_through_mlx_lm(default_model_dir, tmp_path, arch, 
         long = " ".join(PROMPTS * 12)  # ~500 tokens: prefilled in two chunks of 256
         for prompt in (PROMPTS[0], long):
             assert ask(two, prompt).choices[0].message.content == ask(one, prompt).choices[0].message.content
+        # Sent again: every rank resumes at the last token but one (windows and states from
+        # the checkpoints each rank kept of its own layers), as one process does.
+        again = [ask(server, long) for server in (two, one)]
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in again] == [again[1].usage.prompt_tokens - 1] * 2
+        assert again[0].choices[0].message.content == again[1].choices[0].message.content
         assert answers(two, PROMPTS) == answers(one, PROMPTS)
     finally:
         assert two.stop()[0] == 0, two.output()

@@ -344,6 +344,7 @@ def test_prompt_cache_hits_show_in_usage_and_metrics(server, client, model_id):
     after = metric_values(server)
     hits = 'kvserve_prefix_cache_hits_total{kv_scheme="fp16"}'
     assert after[hits] - before[hits] == 2  # the partial hit and the whole one
+    assert after['kvserve_prefix_cache_checkpoints_stored_total{kv_scheme="fp16"}'] == 0  # full attention: none
     turn2 = messages + [{"role": "assistant", "content": first.choices[0].message.content},
                         {"role": "user", "content": "And a follow-up."}]
     third = client.chat.completions.create(model=model_id, messages=turn2, temperature=0, max_tokens=4)

@@ -31,6 +31,13 @@ from kvserve.cache.prefix.checkpoints import Checkpoint, capture
 from kvserve.server.engine.request import Request
 
 
+# A cut where a prompt parts from the cached ones is made only when it would serve at least
+# this many tokens more than the prompt's own hit: every chat shares its template's first
+# few tokens with every other, and a cut there would only split the prefill (and make its
+# rounding depend on which requests happened to be cached first).
+MIN_PARTING_GAIN = 256
+
+
 class Checkpoints:
     """The cut points of prompts being prefilled and the checkpoints taken so far."""
 
@@ -48,10 +55,12 @@ class Checkpoints:
             self._kinds = (bool(checkpointed_kinds(cache)), cannot_trim_at_all(cache))
         return self._kinds
 
-    def part(self, request_id: str, at: int) -> None:
+    def part(self, request_id: str, at: int, hit: int) -> None:
         """The request's prompt parts from the cached ones after ``at`` tokens
-        (``PrefixCache.parting``): one more cut there."""
-        self._parting[request_id] = at
+        (``PrefixCache.parting``) and resumes at ``hit``: one more cut at ``at`` when that
+        serves ``MIN_PARTING_GAIN`` tokens more."""
+        if at - hit >= MIN_PARTING_GAIN:
+            self._parting[request_id] = at
 
     def cuts(self, request: Request, start: int, end: int, windows: bool, states: bool) -> list[int]:
         """Prompt lengths in (start, end] to stop at, ascending (module doc); never the

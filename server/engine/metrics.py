@@ -206,5 +206,9 @@ def _prefix_lines(p: dict, scheme: dict[str, str]) -> list[str]:
                      "Spills dropped because the writer queue was full.", p["dropped_spills"], scheme)
     lines += _metric("kvserve_prefix_cache_write_errors_total", "counter", "Failed disk writes.",
                      p["write_errors"], scheme)
+    for key, help in (("checkpoints_stored", "Checkpoints of window and state layers kept with entries."),
+                      ("checkpoint_hits", "Hits that resumed a window or state layer from a checkpoint."),
+                      ("checkpoints_evicted", "Checkpoints that left with an evicted entry.")):
+        lines += _metric(f"kvserve_prefix_cache_{key}_total", "counter", help, p[key], scheme)
     return lines + _by_label("kvserve_prefix_cache_refused_files_total", "Cache files refused, by reason.",
                              "reason", dict(sorted(p["refused"].items())))

@@ -300,7 +300,8 @@ class ModelRunner:
             self._tokens[request.request_id] = list(request.prompt_tokens)
             hit = self.prefix.lookup(request.prompt_tokens) if self.prefix is not None else None
             if self.prefix is not None and self._checkpoints.kinds(self._new_cache)[0]:
-                self._checkpoints.part(request.request_id, self.prefix.parting(request.prompt_tokens))
+                self._checkpoints.part(request.request_id, self.prefix.parting(request.prompt_tokens),
+                                       hit.num_tokens if hit is not None else 0)
             if hit is not None:
                 self._single[request.request_id] = hit.cache
                 self._hits[request.request_id] = found[request.request_id] = hit.num_tokens
