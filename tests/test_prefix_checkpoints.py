@@ -1,7 +1,7 @@
 """Prefix-cache checkpoints for sliding-window and recurrent-state layers.
 
-Tiny random-weight models from mlx-lm's classes (``archs.py``): gemma3 (windows of 16 beside
-full attention), qwen3_5 (GatedDeltaNet states beside full attention), falcon_h1 (a Mamba
+Tiny random-weight models from mlx-lm's classes (``archs.py``): gemma3 and gpt_oss (windows of
+16 beside full attention, gpt_oss with attention sinks), qwen3_5 (GatedDeltaNet states beside full attention), falcon_h1 (a Mamba
 state and attention inside one layer). Real files on disk for the restart.
 """
 
@@ -23,7 +23,7 @@ from kvserve.server.engine.checkpoints import MIN_PARTING_GAIN
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.runner import RAW_PREFILL_TOKENS, ModelRunner
 
-ARCHS = ("gemma3_text", "qwen3_5", "falcon_h1")
+ARCHS = ("gemma3_text", "gpt_oss", "qwen3_5", "falcon_h1")
 SCHEMES = ("fp16", "affine4", "mxfp4", "turbo0v4")  # one per scheme family
 SYSTEM = prompt_tokens(1, 70)  # a shared start: 4 windows long
 
@@ -75,7 +75,7 @@ def test_lengths_between_checkpoints_are_not_served_where_a_state_cannot_trim(ar
     tokens = prompt_tokens(2, 60)
     cache, taken, _ = prefill(model, "fp16", tokens, cuts=[20, 37])
     spans = take_snapshot(cache, taken).spans
-    if arch == "gemma3_text":  # a window reaches back from each checkpoint and from the end
+    if arch in ("gemma3_text", "gpt_oss"):  # a window reaches back from each checkpoint and the end
         assert any(lo < 20 for lo, _ in spans) and any(lo < 60 - 1 for lo, hi in spans if hi == 60)
     else:
         assert spans == ((20, 20), (37, 37), (60, 60))
