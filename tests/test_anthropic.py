@@ -147,6 +147,21 @@ def test_count_tokens_equals_the_prompt_of_the_same_request_and_a_repeat_reads_t
     assert client.messages.count_tokens(model="default", messages=ASK).input_tokens < counted  # tools count
 
 
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"},
+                                      {"type": "disabled"}])
+def test_thinking_is_accepted_and_a_model_without_reasoning_answers_as_without(client, thinking):
+    """Claude Code sends ``thinking`` when the user turns it on, and its past thinking blocks
+    back: the default model has no reasoning, so the reply is the one without thinking."""
+    history = [{"role": "user", "content": "Hi."},
+               {"role": "assistant", "content": [{"type": "thinking", "thinking": "A greeting.", "signature": "s"},
+                                                 {"type": "text", "text": "Hello!"}]},
+               {"role": "user", "content": "Name a large city."}]
+    plain = client.messages.create(model="default", max_tokens=1100, messages=history, **GREEDY)
+    thought = client.messages.create(model="default", max_tokens=1100, messages=history, thinking=thinking, **GREEDY)
+    assert [b.type for b in thought.content] == ["text"]
+    assert thought.content[0].text == plain.content[0].text and thought.stop_reason == "end_turn"
+
+
 def test_a_stop_sequence_is_reported(client):
     message = client.messages.create(model="default", max_tokens=40, stop_sequences=["zzz", " "],
                                      messages=[{"role": "user", "content": "Write a sentence about the sea."}],
@@ -177,7 +192,11 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
     ({"max_tokens": 4, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "x"}}, 400,
      "not among the tools"),
     ({"max_tokens": 4, "messages": ASK, "container": "c1"}, 400, "container"),
-    ({"max_tokens": 4, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
+    ({"max_tokens": 4, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
+     "must be less than max_tokens"),
+    ({"max_tokens": 2048, "messages": ASK, "thinking": {"type": "enabled"}}, 400, "budget_tokens is required"),
+    ({"max_tokens": 2048, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 100}}, 400,
+     "budget_tokens"),
     ({"max_tokens": 4, "messages": ASK, "temperature": 1.5}, 400, "temperature"),
 ])
 def test_errors_take_anthropics_shape(server, body, status, needle):

@@ -115,6 +115,8 @@ def _post(server, path: str, body) -> httpx.Response:
         ({"model": "tiny-llama", "messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
         ({"model": "tiny-llama", "messages": CHAT, "min_p": -0.1}, "min_p"),
         ({"model": "tiny-llama", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"model": "tiny-llama", "messages": CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"model": "tiny-llama", "messages": CHAT, "chat_template_kwargs": {"tools": "x"}}, None),
         ({"messages": CHAT}, "model"),
         ([1, 2, 3], None),
         (b"{not json", None),

@@ -159,6 +159,34 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt_and_calls_as_te
     assert out[3]["content"] == "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n19 C\n</tool_response>"
 
 
+THINKING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+                     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+
+
+# Unset, mlx-lm's tokenizer wrapper passes ``enable_thinking`` = whether the tokenizer has
+# reasoning markers (the default model's has none).
+@pytest.mark.parametrize("fields, closed", [({}, True), ({"reasoning_effort": "none"}, True),
+                                            ({"reasoning_effort": "high"}, False),
+                                            ({"chat_template_kwargs": {"enable_thinking": False}}, True),
+                                            ({"reasoning_effort": "none",
+                                              "chat_template_kwargs": {"enable_thinking": True}}, False)])
+def test_reasoning_fields_reach_the_chat_template(default_model_dir, fields, closed):
+    """``reasoning_effort`` and ``chat_template_kwargs`` become the template's keyword
+    arguments (a Qwen3-style template closes its think block when told not to think);
+    ``chat_template_kwargs`` wins where both say something."""
+    from mlx_lm.tokenizer_utils import load
+
+    from kvserve.server.http.app import openai_chat
+    from kvserve.server.http.chat import prepare_chat
+    from kvserve.server.http.schemas import ChatCompletionRequest
+
+    tokenizer = load(default_model_dir)
+    tokenizer._tokenizer.chat_template = THINKING_TEMPLATE
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)
+    text = tokenizer.decode(prepare_chat(openai_chat(body), tokenizer).tokens)
+    assert text.endswith("<assistant><think></think>") == closed, text
+
+
 def test_a_native_template_gets_the_messages_as_they_are():
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
     assert render_messages(messages, [WEATHER], mlx_lm_format("json_tools")) == \

@@ -108,7 +108,8 @@ def openai_chat(body: ChatCompletionRequest) -> ChatInput:
     return ChatInput(messages=body.template_messages(), tools=body.tool_dicts(),
                      tool_choice=body.tool_choice_value() or "auto",
                      parallel_tool_calls=body.parallel_tool_calls,
-                     response_format=body.response_format.as_dict() if body.response_format else None)
+                     response_format=body.response_format.as_dict() if body.response_format else None,
+                     template_kwargs=body.template_kwargs())
 
 
 def _prompt_tokens(tokenizer: Any, prompt: str | list[int], vocab: int) -> list[int]:

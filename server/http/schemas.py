@@ -236,9 +236,18 @@ class ResponseFormat(_Body):
         return out
 
 
+# Names the chat template call takes itself: ``chat_template_kwargs`` may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "return_dict", "chat_template"})
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    # Reasoning: "none" asks a reasoning template not to think (``enable_thinking`` false);
+    # any other effort lets it think. A model without reasoning answers as it always does.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Union[str, int, float, bool, None]] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
@@ -281,6 +290,26 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_messages(self) -> list[dict]:
         return [m.template_dict() for m in self.messages]
+
+    @model_validator(mode="after")
+    def _check_template_kwargs(self) -> "ChatCompletionRequest":
+        taken = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ()))
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}")
+        return self
+
+    def template_kwargs(self) -> dict:
+        """What the chat template gets besides the messages: ``chat_template_kwargs``, and
+        ``enable_thinking`` from ``reasoning_effort`` unless those set it.
+
+            >>> ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+            ...                       reasoning_effort="none").template_kwargs()
+            {'enable_thinking': False}
+        """
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return out
 
 
 class CompletionRequest(SamplingFields):

@@ -30,7 +30,8 @@ def chat_input(body: MessagesRequest | CountTokensRequest) -> ChatInput:
     output = body.output_config.format if body.output_config is not None else None
     response_format = {"type": "json_schema", "json_schema": {"schema": output.schema_}} if output else None
     return ChatInput(messages=chat_messages(body), tools=tools or None, tool_choice=choice,
-                     parallel_tool_calls=parallel, response_format=response_format)
+                     parallel_tool_calls=parallel, response_format=response_format,
+                     template_kwargs=body.thinking.template_kwargs if body.thinking is not None else {})
 
 
 def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:

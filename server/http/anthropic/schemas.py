@@ -134,7 +134,24 @@ class OutputConfig(_Body):
 
 
 class ThinkingConfig(_Body):
-    type: Literal["disabled"]  # reasoning models think as their template says; no budget here
+    """Extended thinking: ``enabled`` (with a budget of at least 1,024 tokens, below
+    ``max_tokens``, as Anthropic's API requires) or ``adaptive`` lets a reasoning template
+    think (``enable_thinking``), ``disabled`` asks it not to. A model without reasoning
+    answers as it always does. The budget is not enforced token by token: the reply's
+    ``max_tokens`` bounds thinking and answer together."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(ge=1024)] | None = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> "ThinkingConfig":
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking.budget_tokens is required when thinking is enabled")
+        return self
+
+    @property
+    def template_kwargs(self) -> dict:
+        return {"enable_thinking": self.type != "disabled"}
 
 
 class MessagesRequest(_Body):
@@ -172,6 +189,9 @@ class MessagesRequest(_Body):
         forced = choice is not None and choice.type in ("any", "tool")
         if forced and self.output_config is not None and self.output_config.format is not None:
             raise ValueError("output_config.format and a forced tool_choice cannot both shape the output")
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        if budget is not None and budget >= self.max_tokens:
+            raise ValueError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({self.max_tokens})")
         return self
 
     def system_text(self) -> str:
