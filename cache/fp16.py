@@ -35,7 +35,7 @@ GROUPED_MAX_L = 16
 def attend_grouped(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                    mask: mx.array) -> mx.array:
     """Attention of queries (B, H_q, L, D) over K/V (B, H_kv, T, D) under a boolean or
-    additive ``mask`` (B or 1, H_q or 1, L, T), reading K and V once, with nothing copied
+    additive ``mask`` ((B or 1, H_q or 1,) L, T), reading K and V once, with nothing copied
     or broadcast. Each KV head's query group (group * L rows) is one operand: scores come
     out token-major, ``keys @ q^T`` (T, group * L), and the output as ``values^T @ probs``
     (D_v, group * L): on an H100 both forms were faster for so few query rows than the
@@ -45,10 +45,13 @@ def attend_grouped(queries: mx.array, keys: mx.array, values: mx.array, scale: f
         >>> v = mx.arange(6, dtype=mx.float32).reshape(1, 2, 3, 1) * mx.ones((1, 1, 1, 8))
         >>> attend_grouped(q, k, v, 0.5, mx.array([[[[False, True, True]]]]))[0, :, 0, 0].tolist()
         [1.5, 1.5, 4.5, 4.5]
+        >>> attend_grouped(q, k, v, 0.5, mx.array([[False, True, True]]))[0, :, 0, 0].tolist()  # (L, T)
+        [1.5, 1.5, 4.5, 4.5]
     """
     B, Hq, L, D = queries.shape
     Hkv, T = keys.shape[1], keys.shape[2]
     rows = Hq // Hkv * L
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # a window's (L, T) mask: every row and head
     scores = keys @ (queries * scale).reshape(B, Hkv, rows, D).swapaxes(-1, -2)  # (B, H_kv, T, rows)
     m = mask.reshape(mask.shape[0], Hkv if mask.shape[1] > 1 else 1, -1, T).swapaxes(-1, -2)
     if 1 < m.shape[-1] < rows:  # one mask for every head over several queries: each group repeats it

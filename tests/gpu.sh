@@ -8,8 +8,7 @@
 #   - the HTTP layer on a tiny model (errors, streaming, logprobs, metrics, restarts);
 #   - speculative decoding over HTTP: prompt lookup on the default model, a draft model on a
 #     tiny one;
-#   - the device profile and the warm-up: a burst of requests after start-up compiles no kernel;
-#   - prefix-cache checkpoints of window and state layers restore bit for bit on the device.
+#   - the device profile and the warm-up: a burst of requests after start-up compiles no kernel.
 # Without a GPU the kernel files skip and the rest runs on the CPU. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,5 +19,4 @@ python3 -c 'import mlx.core as mx; print("MLX", mx.__version__, "default device:
 workers=(); python3 -c 'import xdist' 2>/dev/null && workers=(-n 4)
 exec python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_kernels_cuda.py \
     tests/test_kernels_mma.py tests/test_kernels.py::test_dense_path_equals_the_reference_for_prompt_chunks \
-    tests/test_real_model.py tests/test_http.py tests/test_speculative_http.py tests/test_warmup.py \
-    tests/test_prefix_checkpoints.py -k "not gemma3" "$@"
+    tests/test_real_model.py tests/test_http.py tests/test_speculative_http.py tests/test_warmup.py -k "not gemma3" "$@"
