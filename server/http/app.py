@@ -40,32 +40,9 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
     install_error_handlers(app)
     document_errors(app)
     install_guards(app, http, gate)
-    created = int(time.time())
     logprobs = LogprobFormat(model.tokenizer)
     names = ModelNames(model.info.model_id, http.served_model_names)
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/health")
-    async def health():
-        ok, reason = engine.health()
-        if not ok:
-            return error_response(503, reason)
-        if gate.draining:
-            return error_response(503, "the server is shutting down", code="server_draining")
-        return {"status": "ok", "inflight": engine.inflight}
-
-    @app.get("/v1/models")
-    async def models():
-        info = model.info
-        card = {"object": "model", "created": created, "owned_by": "kvserve",
-                "context_length": info.context_length, "weight_format": info.weight_format,
-                "blas": info.blas, "kv_scheme": info.kv_scheme}
-        if model.device is not None:
-            card["device"] = model.device.card()
-        return {"object": "list", "data": [{"id": name, **card} for name in names.listed()]}
+    install_info_routes(app, engine, gate, names)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
@@ -90,6 +67,35 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
     install_anthropic_routes(app, engine, names)
     install_responses_routes(app, engine, names)
     return app
+
+
+def install_info_routes(app: FastAPI, engine: Engine, gate: Gate, names: ModelNames) -> None:
+    """``/metrics``, ``/health`` and ``/v1/models``: what the server is and how it does."""
+    model = engine.model
+    created = int(time.time())
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/health")
+    async def health():
+        ok, reason = engine.health()
+        if not ok:
+            return error_response(503, reason)
+        if gate.draining:
+            return error_response(503, "the server is shutting down", code="server_draining")
+        return {"status": "ok", "inflight": engine.inflight}
+
+    @app.get("/v1/models")
+    async def models():
+        info = model.info
+        card = {"object": "model", "created": created, "owned_by": "kvserve",
+                "context_length": info.context_length, "weight_format": info.weight_format,
+                "blas": info.blas, "kv_scheme": info.kv_scheme}
+        if model.device is not None:
+            card["device"] = model.device.card()
+        return {"object": "list", "data": [{"id": name, **card} for name in names.listed()]}
 
 
 def install_guards(app: FastAPI, http: HTTPConfig, gate: Gate) -> None:
