@@ -50,6 +50,9 @@ class LoadedModel:
     grammars: Any = None  # Grammars: structured output for this tokenizer
     kv_token_bytes: int = 0  # what one token adds to a request's KV cache (kv_memory.token_bytes)
     device: Any = None  # DeviceProfile: what serves on this device (device.py)
+    # The prefix cache keeps checkpoints where a prompt's messages end (window or state
+    # layers): the HTTP layer then finds those ends (``conversation.message_ends``).
+    message_ends: bool = False
 
 
 @dataclass

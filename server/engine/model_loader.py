@@ -82,7 +82,8 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, proposer,
                          cache.prompt_cache_checkpoint_tokens if cache is not None else 0)
     return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars,
-                       kv_token_bytes=token_bytes(bundle.model, scheme), device=device)
+                       kv_token_bytes=token_bytes(bundle.model, scheme), device=device,
+                       message_ends=prefix is not None and ("window" in layout or "state" in layout))
 
 
 def load_draft(config: ModelConfig, target, scheme: KVScheme, blas: str,

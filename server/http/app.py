@@ -47,7 +47,7 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
         name = names.check(body.model)
-        chat = prepare_chat(openai_chat(body), model.tokenizer)
+        chat = prepare_chat(openai_chat(body), model.tokenizer, boundaries=model.message_ends)
         await check_grammar(model.grammars, chat.grammar,
                             "response_format" if body.response_format else "tool_choice")
         shape = Shape(chat=True, model=name, id_prefix="chatcmpl",

@@ -50,10 +50,11 @@ class PreparedChat:
     boundaries: tuple[int, ...] = ()  # where messages end in ``tokens`` (prefix-cache checkpoints)
 
 
-def prepare_chat(chat: ChatInput, tokenizer: Any, param: str = "messages", boundaries: bool = True) -> PreparedChat:
+def prepare_chat(chat: ChatInput, tokenizer: Any, param: str = "messages", boundaries: bool = False) -> PreparedChat:
     """Render the prompt and build the output grammar; a conversation the template refuses
     or a structure that cannot be enforced is a 400. ``boundaries``: also where each message
-    ends in the prompt (``message_ends``; a token count needs none)."""
+    ends in the prompt (``message_ends``: for models whose prefix cache keeps checkpoints
+    there, ``LoadedModel.message_ends``)."""
     fmt = ToolFormat.of(tokenizer)
     try:
         tokens = render_prompt(tokenizer, chat.messages, chat.tools, fmt, **chat.template_kwargs)

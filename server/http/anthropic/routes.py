@@ -38,7 +38,7 @@ def install_anthropic_routes(app: FastAPI, engine: Engine, names: ModelNames) ->
     @app.post(PREFIX)
     async def messages(body: MessagesRequest, http_request: HTTPRequest):
         name = names.check(body.model)
-        chat = prepare_chat(chat_input(body), model.tokenizer)
+        chat = prepare_chat(chat_input(body), model.tokenizer, boundaries=model.message_ends)
         await check_grammar(model.grammars, chat.grammar, "tool_choice")
         splitter = chat.splitter() if chat.splitter is not None else ReplySplitter(None)
         job = submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar, "messages",
@@ -53,7 +53,7 @@ def install_anthropic_routes(app: FastAPI, engine: Engine, names: ModelNames) ->
     @app.post(f"{PREFIX}/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         names.check(body.model)
-        chat = prepare_chat(chat_input(body), model.tokenizer, boundaries=False)
+        chat = prepare_chat(chat_input(body), model.tokenizer)
         return {"input_tokens": len(chat.tokens)}
 
 

@@ -47,7 +47,8 @@ async def _prepare(body: ResponsesRequest, engine: Engine) -> PreparedChat:
     API's fields."""
     model = engine.model
     try:
-        chat = prepare_chat(chat_input(body, parse_input(body.input)), model.tokenizer, param="input")
+        chat = prepare_chat(chat_input(body, parse_input(body.input)), model.tokenizer, param="input",
+                            boundaries=model.message_ends)
         await check_grammar(model.grammars, chat.grammar, "text.format" if body.text_format else "tool_choice")
     except APIError as exc:
         raise renamed(exc) from None
