@@ -114,8 +114,9 @@ def covers(outer: Sequence[Span], inner: Sequence[Span]) -> bool:
 
 
 def source(checkpoints: Sequence[Checkpoint], layer: int, length: int) -> Checkpoint | None:
-    """The first checkpoint at or after ``length`` whose copy of ``layer`` can trim to it."""
-    for cp in sorted(checkpoints, key=lambda c: c.num_tokens):
+    """The first checkpoint at or after ``length`` whose copy of ``layer`` can trim to it
+    (``checkpoints`` in ascending lengths, as a snapshot keeps them)."""
+    for cp in checkpoints:
         r = cp.reaches()
         if layer in r and cp.num_tokens - r[layer] <= length <= cp.num_tokens:
             return cp

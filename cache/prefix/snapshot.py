@@ -177,32 +177,36 @@ def take_snapshot(cache: PromptCache, checkpoints: Sequence[Checkpoint] = ()) ->
     return with_checkpoints(layers, cache.scheme, cache.quantize_after, int(cache.offset), checkpoints)
 
 
-def with_checkpoints(layers: tuple[LayerState, ...], scheme: KVScheme, quantize_after: int, num_tokens: int,
-                     checkpoints: Sequence[Checkpoint]) -> Snapshot:
-    """A snapshot of ``layers`` holding ``num_tokens``, keeping of ``checkpoints`` the layer
-    copies its own layers cannot trim back to and the checkpoints at lengths it can serve."""
-    kept = []
+def keep_checkpoints(reach: Sequence[int], num_tokens: int,
+                     checkpoints: Sequence[Checkpoint]) -> tuple[tuple[Checkpoint, ...], tuple[Span, ...]]:
+    """Of ``checkpoints``, the layer copies that layers of these ``reach`` holding
+    ``num_tokens`` cannot trim back to (one per length and layer), at lengths the entry can
+    serve; and the lengths it serves with them. Reads no array."""
+    kept, seen = [], set()
     for cp in checkpoints:
-        if cp.num_tokens >= num_tokens:
-            continue
-        need = tuple((i, s) for i, s in cp.layers if cp.num_tokens < num_tokens - layers[i].reach)
+        need = tuple((i, s) for i, s in cp.layers
+                     if cp.num_tokens < num_tokens - reach[i] and (cp.num_tokens, i) not in seen)
+        seen.update((cp.num_tokens, i) for i, _ in need)
         if need:
             kept.append(Checkpoint(cp.num_tokens, need))
-    own = [s.reach for s in layers]
-    served = spans(num_tokens, own, [(c.num_tokens, c.reaches()) for c in kept])
+    served = spans(num_tokens, reach, [(c.num_tokens, c.reaches()) for c in kept])
     kept = [c for c in kept if any(lo <= c.num_tokens <= hi for lo, hi in served)]
-    served = spans(num_tokens, own, [(c.num_tokens, c.reaches()) for c in kept])
-    kept.sort(key=lambda c: c.num_tokens)
-    return Snapshot(layers, scheme, quantize_after, num_tokens, served, tuple(kept))
+    served = spans(num_tokens, reach, [(c.num_tokens, c.reaches()) for c in kept])
+    return tuple(sorted(kept, key=lambda c: c.num_tokens)), served
 
 
-def extended(newer: Snapshot, older: Snapshot) -> Snapshot:
-    """``newer`` with the checkpoints of ``older``, an entry whose tokens it extends, and
-    older's own layers as one more checkpoint at older's length: one entry then serves
-    what both served (older's arrays are shared, not copied)."""
-    own = Checkpoint(older.num_tokens, tuple(enumerate(older.layers)))
-    return with_checkpoints(newer.layers, newer.scheme, newer.quantize_after, newer.num_tokens,
-                            [*newer.checkpoints, *older.checkpoints, own])
+def with_checkpoints(layers: tuple[LayerState, ...], scheme: KVScheme, quantize_after: int, num_tokens: int,
+                     checkpoints: Sequence[Checkpoint]) -> Snapshot:
+    """A snapshot of ``layers`` holding ``num_tokens`` with what ``keep_checkpoints`` keeps."""
+    kept, served = keep_checkpoints([s.reach for s in layers], num_tokens, checkpoints)
+    return Snapshot(layers, scheme, quantize_after, num_tokens, served, kept)
+
+
+def as_checkpoints(older: Snapshot) -> list[Checkpoint]:
+    """What an entry whose tokens a newer one extends passes on: its checkpoints, and its own
+    layers as one more at its length (arrays shared, not copied), so one entry serves what
+    both served."""
+    return [*older.checkpoints, Checkpoint(older.num_tokens, tuple(enumerate(older.layers)))]
 
 
 def snapshot_of_loaded(layers: list[Any], reach: Sequence[int], checkpoints: Sequence[Checkpoint],

@@ -33,9 +33,11 @@ from kvserve.cache.prefix.checkpoints import Checkpoint, Span, best_length, cove
 from kvserve.cache.prefix.snapshot import (
     Snapshot,
     device_array,
-    extended,
+    as_checkpoints,
     host_tensors,
+    keep_checkpoints,
     layer_descriptions,
+    reaches,
     rebuild,
     restore,
     stored_layer_count,
@@ -159,7 +161,7 @@ class PrefixCache:
         """Store a snapshot of ``cache`` (B = 1, ``offset == len(tokens)``) for ``tokens``,
         with ``checkpoints`` of its window and state layers at shorter lengths
         (``checkpoints.capture``). A stored entry whose tokens it extends, held in RAM,
-        gives it its checkpoints and its own layers as one more (``extended``).
+        gives it its checkpoints and its own layers as one more (``as_checkpoints``).
 
         Returns False when nothing new was stored: the tokens are empty, an entry that
         extends them already serves every lookup they would, the cache holds layers the
@@ -173,10 +175,12 @@ class PrefixCache:
         self._check_matches(tokens, cache)
         if not tokens:
             return False
-        snap = self._extend(tokens, take_snapshot(cache, list(checkpoints)))
-        e = _Entry(self.ns.entry_key(tokens), tokens, snap.spans, snap.nbytes, checkpoints=len(snap.checkpoints))
+        kept, served = keep_checkpoints(reaches(cache), len(tokens), [*checkpoints, *self._inherited(tokens)])
+        e = _Entry(self.ns.entry_key(tokens), tokens, served, 0, checkpoints=len(kept))
         if self._redundant(e):
-            return False
+            return False  # decided before any array is copied
+        snap = take_snapshot(cache, kept)
+        e.nbytes = snap.nbytes
         self._count["checkpoints_stored"] += e.checkpoints
         self._admit(e)
         self._put_ram(e, snap)
@@ -238,14 +242,15 @@ class PrefixCache:
 
     # --- the index ---------------------------------------------------------------------
 
-    def _extend(self, tokens: tuple[int, ...], snap: Snapshot) -> Snapshot:
-        """``snap`` with what the stored entries it extends hold in RAM (``extended``), so
-        one entry keeps the checkpoints of a whole conversation."""
+    def _inherited(self, tokens: tuple[int, ...]) -> list[Checkpoint]:
+        """What the stored entries that ``tokens`` extend, held in RAM, pass on
+        (``as_checkpoints``), so one entry keeps the checkpoints of a whole conversation."""
+        out: list[Checkpoint] = []
         for key in self._index.prefixes_of(tokens):
             older = self._entries[key].payload()
             if older is not None and len(self._entries[key].tokens) < len(tokens):
-                snap = extended(snap, older)
-        return snap
+                out += as_checkpoints(older)
+        return out
 
     def _redundant(self, e: _Entry) -> bool:
         """True (and that entry is touched) when a stored entry extending ``e``'s tokens
