@@ -17,6 +17,11 @@ python3 -c 'import mlx.core as mx; print("MLX", mx.__version__, "default device:
 # Four workers where pytest-xdist is installed: one after another the files take over 10 minutes
 # on an H100, most of it starting servers and compiling kernels.
 workers=(); python3 -c 'import xdist' 2>/dev/null && workers=(-n 4)
-exec python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_kernels_cuda.py \
+# One compiled-kernel folder for every server of the run (each test gives its server a fresh
+# --cache-dir, where each would compile the same kernels again: 100-230 s per start on an H100).
+# test_warmup.py points its servers at folders of their own, to count what they compile, and
+# comes first: its two cold warm-ups (minutes each) start while the other files run.
+export MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-$(mktemp -d)}"
+exec python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_warmup.py tests/test_kernels_cuda.py \
     tests/test_kernels_mma.py tests/test_kernels.py::test_dense_path_equals_the_reference_for_prompt_chunks \
-    tests/test_real_model.py tests/test_http.py tests/test_speculative_http.py tests/test_warmup.py -k "not gemma3" "$@"
+    tests/test_real_model.py tests/test_http.py tests/test_speculative_http.py -k "not gemma3" "$@"

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from servers import ServerProcess, replies_across_a_restart
+from servers import ServerProcess, on_gpu, replies_across_a_restart
 from together import together
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -137,7 +137,9 @@ def test_concurrent_greedy_chats_equal_each_alone(default_server):
     code, which moves a logit by a rounding-sized amount. So where a batched answer leaves the
     lone one, the lone run must have had a near-tie there: the batched token is its second
     choice, less than ``NEAR_TIE`` nats below the first. Exact agreement for quantized schemes
-    is pinned on the tiny model in test_batching.py."""
+    is pinned on the tiny model in test_batching.py. On a GPU fp16 is held to the same bound:
+    there a batched product is not bit-identical to a one-row one either (an H100 parted at
+    token 7 of 16, " is" for " lies", a near-tie)."""
     client = openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     scheme = client.models.list().data[0].model_extra["kv_scheme"]
@@ -151,7 +153,7 @@ def test_concurrent_greedy_chats_equal_each_alone(default_server):
     alone = [ask(q) for q in QUESTIONS]
     batched = together([lambda q=q: ask(q) for q in QUESTIONS])
     tokens = [[e.token for e in answer] for answer in alone]
-    if scheme == "fp16":
+    if scheme == "fp16" and not on_gpu():
         assert [[e.token for e in answer] for answer in batched] == tokens
         return
     for lone, group in zip(alone, batched):
@@ -180,9 +182,15 @@ GEMMA3_QUESTION = "Question: What is the capital of France?\nAnswer:"
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_model_dir):
+    """The converted model with its weights dequantized, as the server computes them on the
+    CPU: MLX's own CPU kernels for 4- to 8-bit codes took 75-90 s for one 309-token forward
+    pass (the 262,144-row tied embedding), the dense weights well under a second."""
     import mlx_lm
 
-    return mlx_lm.load(str(gemma3_model_dir))
+    from kvserve.server.models.weights import DENSE_F32, apply_weight_format
+
+    model, tokenizer = mlx_lm.load(str(gemma3_model_dir))
+    return apply_weight_format(model, DENSE_F32), tokenizer
 
 
 def test_gemma3_prompt_starts_with_bos(gemma3):

@@ -80,6 +80,15 @@ def test_a_stop_string_inside_accepted_tokens_ends_the_reply_there(servers):
     assert replies[1].usage.completion_tokens == replies[0].usage.completion_tokens
 
 
+# Seeded sampling through verification equals plain decoding bit for bit on the CPU. On a GPU a
+# verified position's logits round differently from a decoded one's (another product shape), so
+# a seeded sample can part after a near-tie (seen on an H100 with prompt lookup and with a draft).
+ON_CPU_ONLY = pytest.mark.skipif(on_gpu(), reason="on a GPU a verified position's logits round differently "
+                                 "from a decoded one's, so seeded samples part after a near-tie; "
+                                 "docs/benchmarks/gpu-serve.md")
+
+
+@ON_CPU_ONLY
 def test_seeded_sampled_streams_equal_the_server_without_speculation(servers):
     def stream(mode: str) -> str:
         chunks = complete(servers[mode], prompt=copy_prompt(PASSAGES[1]), max_tokens=40, temperature=0.8,
@@ -132,8 +141,7 @@ def test_a_draft_models_greedy_proposals_leave_the_replies_as_they_were(drafted)
         assert list(pool.map(lambda b: _text(drafted["draft"], b), greedy)) == plain
 
 
-@pytest.mark.skipif(on_gpu(), reason="on a GPU a verified position's logits round differently from a decoded "
-                                     "one's, so seeded samples part after a near-tie; docs/benchmarks/gpu-serve.md")
+@ON_CPU_ONLY
 def test_a_draft_models_seeded_stream_is_the_plain_servers(drafted):
     body = dict(prompt=prompt_tokens(30, 12), max_tokens=40, temperature=0.9, seed=5, stream=True)
     before = _draft_counts(drafted["draft"])

@@ -99,32 +99,36 @@ def _on_cuda() -> bool:
 
 
 @pytest.mark.skipif(not _on_cuda(), reason="counts the kernels MLX's CUDA backend compiles")
-@pytest.mark.parametrize("scheme", ["fp16", "affine4"])
-def test_no_served_request_waits_on_a_kernel_compile(default_model_dir, tmp_path, scheme):
-    """The default model on a GPU with an empty kernel folder: the warm-up compiles what the
-    server will call (the folder fills before /health says ready), and a burst of requests
-    afterwards (8 at once of different lengths, greedy and sampled, with logprobs, then one
-    alone) compiles nothing more."""
+def test_no_served_request_waits_on_a_kernel_compile(default_model_dir, tmp_path):
+    """The default model on a GPU, in fp16 and affine4, each with an empty kernel folder: the
+    warm-up compiles what the server will call (the folder fills before /health says ready),
+    and a burst of requests afterwards (8 at once of different lengths, greedy and sampled,
+    with logprobs, then one alone) compiles nothing more. The two servers start together:
+    each cold warm-up takes minutes of compiling on one CPU core."""
     import httpx
 
     from servers import ServerProcess
     from together import together
 
-    kernels = tmp_path / "kernels"
-    proc = ServerProcess(default_model_dir, "--kv-scheme", scheme, "--cache-dir", str(tmp_path),
-                         env={"MLX_PTX_CACHE_DIR": str(kernels)}).wait_ready()
+    folders = {scheme: tmp_path / scheme / "kernels" for scheme in ("fp16", "affine4")}
+    procs = {scheme: ServerProcess(default_model_dir, "--kv-scheme", scheme, "--cache-dir", str(tmp_path / scheme),
+                                   env={"MLX_PTX_CACHE_DIR": str(kernels)})
+             for scheme, kernels in folders.items()}
     try:
-        compiled = sorted(p.name for p in kernels.iterdir())
-        assert compiled, "the warm-up compiled nothing"
+        for scheme, proc in procs.items():
+            proc.wait_ready(timeout=900)
+            compiled = sorted(p.name for p in folders[scheme].iterdir())
+            assert compiled, f"{scheme}: the warm-up compiled nothing"
 
-        def ask(i: int):
-            body = {"model": "default", "max_tokens": 12 + i, "temperature": 0.7 * (i % 2),
-                    "logprobs": i == 3, "top_logprobs": 2 if i == 3 else None,
-                    "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + 9 * i)}]}
-            return lambda: httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=120)
+            def ask(i: int):
+                body = {"model": "default", "max_tokens": 12 + i, "temperature": 0.7 * (i % 2),
+                        "logprobs": i == 3, "top_logprobs": 2 if i == 3 else None,
+                        "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + 9 * i)}]}
+                return lambda: httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=120)
 
-        replies = together([ask(i) for i in range(8)]) + [ask(2)()]
-        assert [r.status_code for r in replies] == [200] * 9
-        assert sorted(p.name for p in kernels.iterdir()) == compiled
+            replies = together([ask(i) for i in range(8)]) + [ask(2)()]
+            assert [r.status_code for r in replies] == [200] * 9
+            assert sorted(p.name for p in folders[scheme].iterdir()) == compiled, scheme
     finally:
-        assert proc.stop() == 0, proc.output()
+        for proc in procs.values():
+            assert proc.stop() == 0, proc.output()
