@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -231,17 +232,22 @@ def _stored(rng, rows: int, cols: int, ld: int, row_major: bool):
     return buf, view
 
 
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory):
+    """The shim compiled once for the module's cases (each compile takes the C compiler ~2 s)."""
+    import scipy_openblas32
+
+    lib_path = os.path.join(scipy_openblas32.get_lib_dir(), scipy_openblas32.get_library(True))
+    return ctypes.CDLL(str(blas._build_shim(Path(lib_path), tmp_path_factory.mktemp("shim"), None)))
+
+
 @needs_openblas
 @pytest.mark.parametrize("row_major", [True, False])
 @pytest.mark.parametrize("ta,tb", [(111, 111), (111, 112), (112, 111), (112, 112)])
 @pytest.mark.parametrize("m,n,k", [(1, 37, 19), (23, 1, 19), (1, 1, 8), (17, 29, 31)])
-def test_shim_sgemm_matches_numpy(tmp_path, row_major, ta, tb, m, n, k):
+def test_shim_sgemm_matches_numpy(shim, row_major, ta, tb, m, n, k):
     """The shim's cblas_sgemm (gemv for M or N == 1) for every layout, with
     padded leading dimensions, alpha and a non-zero beta."""
-    import scipy_openblas32
-
-    lib_path = os.path.join(scipy_openblas32.get_lib_dir(), scipy_openblas32.get_library(True))
-    shim = ctypes.CDLL(str(blas._build_shim(__import__("pathlib").Path(lib_path), tmp_path, None)))
     rng = np.random.default_rng(m * 1000 + n + k)
     a_dims, b_dims = ((m, k) if ta == 111 else (k, m)), ((k, n) if tb == 111 else (n, k))
     lda, ldb, ldc = (d[1 if row_major else 0] + 3 for d in (a_dims, b_dims, (m, n)))

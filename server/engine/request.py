@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.server.engine.grammar import Grammar
+from kvserve.server.engine.thinking import ThinkingBudget
 
 _ids = itertools.count()
 
@@ -42,7 +43,8 @@ class SamplingParams:
     ``frequency_penalty`` per time it was generated; ``logit_bias`` adds to chosen logits.
     ``logprobs`` asks for the log-probability of each sampled token and ``top_logprobs``
     for that many alternatives, both from the model's own distribution (before penalties,
-    filters and temperature). ``grammar`` constrains the output (``grammar.py``).
+    filters and temperature). ``grammar`` constrains the output (``grammar.py``);
+    ``thinking`` closes a reasoning block once it has used its budget (``thinking.py``).
 
     Example:
         >>> p = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((5, -100.0),))
@@ -63,6 +65,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: Grammar | None = None
+    thinking: ThinkingBudget | None = None
 
     @property
     def greedy(self) -> bool:
@@ -81,7 +84,7 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits: such rows of a batch are sampled together."""
-        return self.greedy and not self.adjusts_logits and self.grammar is None
+        return self.greedy and not self.adjusts_logits and self.grammar is None and self.thinking is None
 
 
 @dataclass

@@ -437,9 +437,10 @@ class ModelRunner:
     # ---- speculative decoding: proposals verified inside the batch ----------------------
     def _takes_proposals(self, request_id: str) -> bool:
         """Rows whose sampling can take verified proposals: no grammar (its matcher moves
-        one token at a time) and no logprobs (reported per sampled token)."""
+        one token at a time), no logprobs (reported per sampled token) and no thinking budget
+        (it may close the block at any position)."""
         params = self._samplers[request_id].params
-        return params.grammar is None and not params.logprobs
+        return params.grammar is None and not params.logprobs and params.thinking is None
 
     def _arm(self, rows: list[str]) -> None:
         """Once per step: the rows that propose at the next one (``Speculator.arm``)."""

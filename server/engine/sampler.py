@@ -31,6 +31,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from kvserve.server.engine.grammar import Grammars, RowGrammar
 from kvserve.server.engine.request import SamplingParams, TokenLogprob
+from kvserve.server.engine.thinking import BudgetState
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Pick:
 
 class RequestSampler:
     """Sampling state of one request: its parameters, PRNG key, generated-token counts and,
-    for a request with a grammar, its matcher (``grammars`` compiles it)."""
+    for a request with a grammar, its matcher (``grammars`` compiles it); with a thinking
+    budget, its count of thinking tokens."""
 
     def __init__(self, params: SamplingParams, grammars: Grammars | None = None):
         self.params = params
@@ -57,6 +59,7 @@ class RequestSampler:
                 raise ValueError("a request with a grammar needs the model's Grammars")
             self.grammar = grammars.matcher(params.grammar)
             self.grammars = grammars
+        self.budget = BudgetState(params.thinking) if params.thinking is not None else None
 
     def observe(self, token: int) -> None:
         """Count a generated token (the penalties look at these counts) and feed it to the
@@ -65,6 +68,13 @@ class RequestSampler:
             self._counts[token] += 1
         if self.grammar is not None:
             self.grammar.consume(token)
+        if self.budget is not None:
+            self.budget.observe(token)
+
+    def waits_on_previous(self) -> bool:
+        """This row's next sample depends on the token before it (a grammar's mask, a budget
+        that may close its thinking block): a step queued before that token is read defers it."""
+        return self.grammar is not None or (self.budget is not None and self.budget.may_force_soon())
 
     def adjust(self, logits: mx.array, ahead: Sequence[int] = ()) -> mx.array:
         """``logits`` (1, V) plus the bias minus the penalties, as one sparse add; ``ahead``:
@@ -81,7 +91,11 @@ class RequestSampler:
         return logits.astype(mx.float32).at[:, ids].add(mx.array(list(delta.values())))
 
     def sample(self, logits: mx.array) -> mx.array:
-        """``logits`` (1, V) -> token id array of shape (1,)."""
+        """``logits`` (1, V) -> token id array of shape (1,); a spent thinking budget emits its
+        block's end marker instead (drawing no key)."""
+        forced = self.budget.forced() if self.budget is not None else None
+        if forced is not None:
+            return mx.array([forced], dtype=mx.uint32)
         logits = self.adjust(logits)
         if self.params.greedy:
             return mx.argmax(logits, axis=-1)
@@ -151,8 +165,9 @@ class Draw:
     their log-probability arrays. ``keys`` are the samplers' keys before the draw.
 
     A draw queued before the previous tokens are read cannot mask its constrained rows yet
-    (their grammars have not seen the previous token): those rows are ``deferred``, their
-    logits kept, and ``complete`` samples them once the grammars are current. The forward
+    (their grammars have not seen the previous token), nor know whether a thinking budget
+    closes its block: those rows are ``deferred``, their logits kept, and ``complete``
+    samples them once the grammars and budgets are current. The forward
     itself is already on the device; only the masked sampling of those rows waits."""
 
     samplers: tuple[RequestSampler, ...]
@@ -182,7 +197,7 @@ class Draw:
         rows = list(self.deferred)
         samplers = [self.samplers[b] for b in rows]
         masked = _grammar_masked(samplers, self.logits[mx.array(rows)])
-        own = {b: samplers[i].sample(masked[i]) for i, b in enumerate(rows)}
+        own = {b: samplers[i].sample(masked.get(i, self.logits[b : b + 1])) for i, b in enumerate(rows)}
         tokens = mx.concatenate([own[b] if b in own else self.tokens[b : b + 1] for b in range(len(self.samplers))])
         scored = dict(self.scored)
         scored.update({b: _logprob_arrays(self.logits[b], tokens[b], self.samplers[b].params.top_logprobs)
@@ -214,7 +229,7 @@ def draw_rows(samplers: list[RequestSampler], logits: mx.array, defer: bool = Fa
     """
     keys = tuple(s._key for s in samplers)
     greedy = mx.argmax(logits, axis=-1)  # (B,)
-    deferred = tuple(b for b, s in enumerate(samplers) if defer and s.grammar is not None)
+    deferred = tuple(b for b, s in enumerate(samplers) if defer and s.waits_on_previous())
     now = [s if b not in deferred else None for b, s in enumerate(samplers)]
     masked = _grammar_masked(now, logits)
     own = {b: s.sample(masked.get(b, logits[b : b + 1])) for b, s in enumerate(now)

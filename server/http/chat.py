@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any, Callable
 
 from kvserve.server.engine.grammar import Grammar, GrammarError, Grammars
+from kvserve.server.engine.thinking import ThinkingBudget
 from kvserve.server.http.conversation import TemplateError, message_ends, render_prompt
 from kvserve.server.http.errors import APIError
 from kvserve.server.http.structured import StructureError, response_format_grammar, tool_call_grammar
@@ -48,6 +49,15 @@ class PreparedChat:
     splitter: Callable[[], ReplySplitter] | None
     tool_format: ToolFormat
     boundaries: tuple[int, ...] = ()  # where messages end in ``tokens`` (prefix-cache checkpoints)
+    think_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # reasoning markers' token ids
+    opens_thinking: bool = False  # the prompt ends inside a reasoning block
+
+    def thinking_budget(self, budget: int | None) -> ThinkingBudget | None:
+        """The budget for the engine, where the model has reasoning markers (None: think
+        freely, or a model that does not think)."""
+        if budget is None or self.think_ids is None:
+            return None
+        return ThinkingBudget(budget, *self.think_ids, open=self.opens_thinking)
 
 
 def prepare_chat(chat: ChatInput, tokenizer: Any, param: str = "messages", boundaries: bool = False) -> PreparedChat:
@@ -70,11 +80,11 @@ def prepare_chat(chat: ChatInput, tokenizer: Any, param: str = "messages", bound
     except GrammarError as exc:
         raise APIError(400, str(exc), param="response_format") from None
     think = _think_markers(tokenizer) or fmt.think
-    splitter = None
+    splitter, thinking = None, False
     if chat.wants_calls or think:
         thinking = think is not None and _opens_thinking(tokenizer, tokens, think[0])
         splitter = partial(ReplySplitter, fmt if chat.wants_calls else None, chat.tools, think, thinking)
-    return PreparedChat(tokens, grammar, splitter, fmt, ends)
+    return PreparedChat(tokens, grammar, splitter, fmt, ends, _think_ids(tokenizer, think), thinking)
 
 
 async def check_grammar(grammars: Grammars | None, grammar: Grammar | None, param: str) -> None:
@@ -94,6 +104,17 @@ def _think_markers(tokenizer: Any) -> tuple[str, str] | None:
     if getattr(tokenizer, "has_thinking", False):
         return tokenizer.think_start, tokenizer.think_end
     return None
+
+
+def _think_ids(tokenizer: Any, think: tuple[str, str] | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The token ids of the reasoning markers: mlx-lm's where it found them, else the tool
+    format's (harmony's analysis channel) as the tokenizer encodes them."""
+    if think is None:
+        return None
+    if getattr(tokenizer, "has_thinking", False) and tokenizer.think_end_tokens:
+        return tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens)
+    ids = tuple(tuple(tokenizer.encode(marker, add_special_tokens=False)) for marker in think)
+    return ids if all(ids) else None
 
 
 def _opens_thinking(tokenizer: Any, tokens: list[int], start: str) -> bool:

@@ -17,6 +17,7 @@ from kvserve.server.engine.grammar import Grammar
 from kvserve.server.engine.loop import Engine, EngineDown
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.scheduler import QueueFull
+from kvserve.server.engine.thinking import ThinkingBudget
 from kvserve.server.http.errors import APIError, error_body
 from kvserve.server.http.guard import Gate
 from kvserve.server.http.schemas import SamplingFields
@@ -98,12 +99,15 @@ class Submitted:
 
 def submit(engine: Engine, body: SamplingFields, tokens: list[int], http_request: HTTPRequest,
            grammar: Grammar | None = None, prompt_param: str | None = None,
-           boundaries: tuple[int, ...] = ()) -> Submitted:
+           boundaries: tuple[int, ...] = (), thinking: ThinkingBudget | None = None) -> Submitted:
     """Validate against the model, queue the request (429 when the queue is full) and track
     it for the drain; ``prompt_param`` names the prompt's field in a too-long error;
-    ``boundaries``: where the prompt's messages end (``Request.boundaries``)."""
+    ``boundaries``: where the prompt's messages end (``Request.boundaries``); ``thinking``:
+    the reasoning budget the sampler enforces."""
     params = sampling_params(body, len(tokens), engine.model.info.context_length, engine.config,
                              engine.model.info.vocab_size, grammar, prompt_param)
+    if thinking is not None:
+        params = dataclasses.replace(params, thinking=thinking)
     request = make_request(tokens, params, body.n, boundaries)
     members = [request, *request.forks]
     stream = EventStream([r.request_id for r in members])

@@ -42,7 +42,7 @@ def install_anthropic_routes(app: FastAPI, engine: Engine, names: ModelNames) ->
         await check_grammar(model.grammars, chat.grammar, "tool_choice")
         splitter = chat.splitter() if chat.splitter is not None else ReplySplitter(None)
         job = submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar, "messages",
-                     chat.boundaries)
+                     chat.boundaries, chat.thinking_budget(body.thinking_budget()))
         prompt = len(chat.tokens)
         events = (lambda: message_events(job.stream, splitter, name, prompt, job.abort,
                                          http_request.app.state.sse_keepalive_s)) if body.stream else None

@@ -137,8 +137,9 @@ class ThinkingConfig(_Body):
     """Extended thinking: ``enabled`` (with a budget of at least 1,024 tokens, below
     ``max_tokens``, as Anthropic's API requires) or ``adaptive`` lets a reasoning template
     think (``enable_thinking``), ``disabled`` asks it not to. A model without reasoning
-    answers as it always does. The budget is not enforced token by token: the reply's
-    ``max_tokens`` bounds thinking and answer together."""
+    answers as it always does. A reasoning model thinks for at most ``budget_tokens``
+    tokens: then its thinking block is closed for it (``engine/thinking.py``) and it
+    answers; ``max_tokens`` bounds thinking and answer together."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Field(ge=1024)] | None = None
@@ -193,6 +194,11 @@ class MessagesRequest(_Body):
         if budget is not None and budget >= self.max_tokens:
             raise ValueError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({self.max_tokens})")
         return self
+
+    def thinking_budget(self) -> int | None:
+        """The thinking tokens allowed (None: no budget)."""
+        enabled = self.thinking is not None and self.thinking.type == "enabled"
+        return self.thinking.budget_tokens if enabled else None
 
     def system_text(self) -> str:
         if isinstance(self.system, list):
