@@ -153,6 +153,10 @@ class HTTPConfig:
     # Names a request's ``model`` may take besides the model's own id and "default", shell-
     # style patterns allowed ("claude-*", "*"): agent clients send the name their config holds.
     served_model_names: tuple[str, ...] = ()
+    # Responses API: how many responses are kept for GET /v1/responses/{id} and
+    # previous_response_id (in <cache dir>/responses/responses.sqlite3, across restarts),
+    # the oldest evicted first; each holds its whole conversation. 0: none is stored.
+    max_stored_responses: int = 1000
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
@@ -166,6 +170,7 @@ class HTTPConfig:
         _require(self.max_header_bytes >= 1024, "http.max_header_bytes must be >= 1024")
         _require(self.drain_timeout_s >= 0, "http.drain_timeout_s must be >= 0")
         _require(self.sse_keepalive_s > 0, "http.sse_keepalive_s must be > 0")
+        _require(self.max_stored_responses >= 0, "http.max_stored_responses must be >= 0 (0: none stored)")
 
 
 @dataclass(frozen=True)

@@ -199,9 +199,11 @@ def serve(config: ServerConfig) -> int:
     # make that a no-op so the engine stops cleanly and the process exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     from kvserve.server.http.guard import Gate
+    from kvserve.server.http.responses.store import ResponseStore
 
     gate = Gate()
-    uv_config = uvicorn.Config(create_app(engine, config.http, gate), host=config.http.host,
+    responses = ResponseStore.under(config.model.resolved_cache_dir(), config.http.max_stored_responses)
+    uv_config = uvicorn.Config(create_app(engine, config.http, gate, responses), host=config.http.host,
                                port=config.http.port, log_level=config.http.log_level,
                                h11_max_incomplete_event_size=PARSER_HEAD_FACTOR * config.http.max_header_bytes)
     server = _draining_server(uvicorn.Server)(uv_config, engine, gate, config.http.drain_timeout_s)
@@ -211,6 +213,7 @@ def serve(config: ServerConfig) -> int:
     try:
         server.run()
     finally:
+        responses.close()  # every request has ended: none writes any more
         # Finishes what is left, flushes the writers; a split engine that went down may be
         # blocked for good waiting on a dead peer.
         wait = DOWN_STOP_S if engine.down else ENGINE_STOP_S

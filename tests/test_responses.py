@@ -4,7 +4,9 @@ driven by the official openai client, and its raw server-sent events read with h
 
 Every body and event is also validated against the openai package's own types, so the
 client parses all of it. Sampled forced calls and JSON must validate every time: the
-grammar, not the model, guarantees it.
+grammar, not the model, guarantees it. Stored responses are continued with
+``previous_response_id`` from the prefix cache, read back and deleted; the store's own
+laws (bound, damaged files) are in test_response_store.py.
 """
 
 from __future__ import annotations
@@ -224,10 +226,9 @@ FILE = {"role": "user", "content": [{"type": "input_text", "text": "Read"},
 
 
 @pytest.mark.parametrize("body, param, needle", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
-    ({"conversation": "conv_1"}, "conversation", "stores no conversations"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "Previous response with id 'resp_1' not found"),
+    ({"conversation": "conv_1"}, "conversation", "conversation objects are not served"),
     ({"background": True}, "background", "background responses are not served"),
-    ({"store": True}, "store", "store must be false"),
     ({"include": ["reasoning.encrypted_content"]}, "include", "no extra output"),
     ({"truncation": "auto"}, "truncation", "never truncated"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning effort cannot be set"),
@@ -244,7 +245,7 @@ FILE = {"role": "user", "content": [{"type": "input_text", "text": "Read"},
     ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation", "not padded"),
     ({"input": [IMAGE]}, "input.0.content.0", "'input_image' are not served"),
     ({"input": [FILE]}, "input.0.content.1", "'input_file' are not served"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "stores no items"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "not looked up by id"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type", "are not served"),
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}, "input.0.call_id", "'c9'"),
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{oops"}]},
@@ -259,6 +260,163 @@ def test_what_cannot_be_served_is_a_400_naming_it(client, body, param, needle):
     error = caught.value.body
     assert caught.value.status_code == 400 and error["type"] == "invalid_request_error"
     assert needle in error["message"] and error["param"] == param, error
+
+
+# ---- stored responses: previous_response_id, GET, DELETE, input items ---------------------
+
+CITIES = ["What is the capital of France?", "And of Italy?", "Which one is bigger?"]
+GREEDY = dict(model="default", instructions=SYSTEM, temperature=0, max_output_tokens=20)
+
+
+def covered(reply, previous) -> bool:
+    """Whether ``reply``'s prompt came from the prefix cache as far as ``previous``'s prompt
+    and reply, less at most one token: the last token generated is never fed to the model,
+    so a reply cut short is cached but for its last token (one that stopped, up to the end
+    marker it generated, which output_tokens does not count)."""
+    now, before = _usage(reply), _usage(previous)
+    return now["input_tokens_details"]["cached_tokens"] >= before["input_tokens"] + before["output_tokens"] - 1
+
+
+def _usage(response) -> dict:
+    """A response's usage, from the client's object or from raw JSON."""
+    return response["usage"] if isinstance(response, dict) else response.usage.to_dict()
+
+
+def assert_error(call, kind: type, param: str | None, code: str | None) -> dict:
+    with pytest.raises(kind) as caught:
+        call()
+    error = caught.value.body
+    assert set(error) == {"message", "type", "param", "code"} and (error["param"], error["code"]) == (param, code)
+    return error
+
+
+def test_previous_response_id_continues_the_conversation_from_the_prefix_cache(client):
+    chained, previous = [], None
+    for text in CITIES:
+        reply = client.responses.create(**GREEDY, input=text, previous_response_id=previous)
+        assert reply.store is True and reply.previous_response_id == previous  # kept by default, as OpenAI
+        assert not chained or covered(reply, chained[-1]), (reply.usage, chained[-1].usage)
+        chained.append(reply)
+        previous = reply.id
+    assert [r.status for r in chained] == ["completed"] * 3  # each reply ends with its end marker
+    # The same conversation sent whole: the same prompt, the same greedy reply.
+    history = []
+    for text, reply in zip(CITIES, chained):
+        history.append({"role": "user", "content": text})
+        whole = client.responses.create(**GREEDY, input=history, store=False)
+        assert (whole.output_text, whole.usage.input_tokens) == (reply.output_text, reply.usage.input_tokens)
+        history += [item.to_dict() for item in reply.output]
+    # The last turn's input items: the whole conversation, newest first (OpenAI's default).
+    items = list(client.responses.input_items.list(chained[-1].id))
+    assert [(i.type, i.role, i.content[0].text) for i in items] == [
+        ("message", "user", CITIES[2]), ("message", "assistant", chained[1].output_text),
+        ("message", "user", CITIES[1]), ("message", "assistant", chained[0].output_text),
+        ("message", "user", CITIES[0])]
+    assert items[1].id == chained[1].output[0].id and items[0].id.startswith("msg_")
+    paged = client.responses.input_items.list(chained[-1].id, order="asc", limit=2)
+    assert (len(paged.data), paged.has_more) == (2, True)
+    assert [i.id for i in paged] == [i.id for i in reversed(items)]  # the client follows after=
+
+
+def test_a_function_call_output_answers_the_call_of_the_previous_response(client):
+    first = forced_call(client, temperature=0)
+    (call,) = first.output
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "rain"}'}
+    ask = dict(model="default", instructions=SYSTEM, tools=TOOLS, tool_choice="none", temperature=0,
+               max_output_tokens=20)
+    second = client.responses.create(**ask, input=[output], previous_response_id=first.id)
+    whole = client.responses.create(**ask, input=[{"role": "user", "content": ASK}, call.to_dict(), output],
+                                    store=False)
+    assert (second.output_text, second.usage.input_tokens) == (whole.output_text, whole.usage.input_tokens)
+    assert second.output_text and second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    # The call is answered in this request's input: an output that answers no call names its index there.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**ask, input=[{**output, "call_id": "call_nope"}], previous_response_id=first.id)
+    assert caught.value.body["param"] == "input.0.call_id"
+
+
+def test_the_previous_instructions_are_not_carried_over(client):
+    first = client.responses.create(model="default", instructions="Answer in French.", input="Hello!",
+                                    temperature=0, max_output_tokens=4)
+    ask = dict(model="default", temperature=0, max_output_tokens=1, store=False)
+    second = client.responses.create(**ask, input="Thanks.", previous_response_id=first.id)
+    history = [{"role": "user", "content": "Hello!"}, *[i.to_dict() for i in first.output],
+               {"role": "user", "content": "Thanks."}]
+    without = client.responses.create(**ask, input=history)
+    instructed = client.responses.create(**ask, input=history, instructions="Answer in French.")
+    assert second.instructions is None
+    assert second.usage.input_tokens == without.usage.input_tokens != instructed.usage.input_tokens
+
+
+def test_a_response_is_retrieved_as_it_was_returned_until_deleted(server, client):
+    url = f"{server.base_url}/v1/responses"
+    created = httpx.post(url, json={"model": "default", "input": "Say hi.", "temperature": 0,
+                                    "max_output_tokens": 6}, timeout=120)
+    response_id = created.json()["id"]
+    fetched = httpx.get(f"{url}/{response_id}", timeout=30)
+    assert fetched.status_code == 200 and fetched.content == created.content  # the very bytes
+    assert client.responses.retrieve(response_id).to_dict() == Response.model_validate(created.json()).to_dict()
+    deleted = httpx.delete(f"{url}/{response_id}", timeout=30)
+    assert deleted.status_code == 200 and deleted.json() == {"id": response_id, "object": "response", "deleted": True}
+    for call in (lambda: client.responses.retrieve(response_id), lambda: client.responses.delete(response_id),
+                 lambda: client.responses.input_items.list(response_id)):
+        error = assert_error(call, openai.NotFoundError, None, None)
+        assert response_id in error["message"]
+    assert_error(lambda: client.responses.create(model="default", input="Hi", previous_response_id=response_id),
+                 openai.BadRequestError, "previous_response_id", "previous_response_not_found")
+
+
+def test_a_response_with_store_false_is_not_kept(client):
+    reply = client.responses.create(model="default", input="Hi", store=False, max_output_tokens=2)
+    assert reply.store is False
+    assert_error(lambda: client.responses.retrieve(reply.id), openai.NotFoundError, None, None)
+    assert_error(lambda: client.responses.create(model="default", input="Hi", previous_response_id=reply.id),
+                 openai.BadRequestError, "previous_response_id", "previous_response_not_found")
+
+
+def test_a_streamed_response_is_kept_as_it_ended_and_continued(server):
+    events = raw_events(server, input=CITIES[0], instructions=SYSTEM, temperature=0, max_output_tokens=4)
+    first = events[-1]["response"]
+    assert events[0]["response"]["store"] is True and events[-1]["type"] == "response.incomplete"
+    assert httpx.get(f"{server.base_url}/v1/responses/{first['id']}", timeout=30).json() == first
+    more = raw_events(server, input=CITIES[1], instructions=SYSTEM, temperature=0, max_output_tokens=4,
+                      previous_response_id=first["id"])
+    second = more[-1]["response"]
+    assert more[0]["response"]["previous_response_id"] == second["previous_response_id"] == first["id"]
+    assert covered(second, first), (second["usage"], first["usage"])
+    assert httpx.get(f"{server.base_url}/v1/responses/{second['id']}", timeout=30).json() == second
+
+
+@pytest.mark.parametrize("query, param", [
+    ("/input_items?limit=0", "limit"), ("/input_items?limit=101", "limit"), ("/input_items?order=sideways", "order"),
+    ("/input_items?after=msg_nope", "after"), ("?stream=true", "stream")])
+def test_the_stored_routes_refuse_what_they_do_not_serve(server, client, query, param):
+    stored = client.responses.create(model="default", input="Hi", max_output_tokens=1)
+    reply = httpx.get(f"{server.base_url}/v1/responses/{stored.id}{query}", timeout=30)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and (error["type"], error["param"]) == ("invalid_request_error", param), error
+
+
+def test_stored_responses_outlive_the_server(server, client, default_model_dir):
+    """Last of the server tests: it stops the module's server (a clean stop flushes the
+    prefix cache's disk writer), then a second one on the same cache folder retrieves the
+    response and continues from it, its prompt read from the prefix cache's files."""
+    first = client.responses.create(**GREEDY, input=CITIES[0])
+    items = [i.to_dict() for i in client.responses.input_items.list(first.id)]
+    assert server.stop() == 0, server.output()
+    again = ServerProcess(default_model_dir, *server.args).wait_ready()
+    try:
+        restarted = openai.OpenAI(base_url=f"{again.base_url}/v1", api_key="unused", max_retries=0)
+        assert restarted.responses.retrieve(first.id).to_dict() == first.to_dict()
+        assert [i.to_dict() for i in restarted.responses.input_items.list(first.id)] == items
+        second = restarted.responses.create(**GREEDY, input=CITIES[1], previous_response_id=first.id)
+        assert covered(second, first), (second.usage, first.usage)
+        whole = restarted.responses.create(**GREEDY, store=False, input=[
+            {"role": "user", "content": CITIES[0]}, *[i.to_dict() for i in first.output],
+            {"role": "user", "content": CITIES[1]}])
+        assert whole.output_text == second.output_text
+    finally:
+        assert again.stop() == 0, again.output()
 
 
 # ---- without a server: what the real model never produces ---------------------------------

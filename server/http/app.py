@@ -23,17 +23,21 @@ from kvserve.server.http.errors import APIError, document_errors, error_response
 from kvserve.server.http.guard import Gate, GuardMiddleware
 from kvserve.server.http.logprobs import LogprobFormat
 from kvserve.server.http.responses import install_responses_routes
+from kvserve.server.http.responses.store import ResponseStore
 from kvserve.server.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvserve.server.http.streams import Shape, collect, sse_events
 from kvserve.server.http.names import ModelNames
 from kvserve.server.http.submit import answer, submit
 
 
-def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None = None) -> FastAPI:
+def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None = None,
+               responses: ResponseStore | None = None) -> FastAPI:
     """``engine`` must already be started (its model loaded); ``gate`` closes admission
-    when the server drains (``app.state.gate``)."""
+    when the server drains (``app.state.gate``); ``responses`` keeps the Responses API's
+    responses (the server's is a file in its cache folder; None: kept in memory)."""
     model = engine.model
     http = http or HTTPConfig()
+    responses = responses or ResponseStore(None, http.max_stored_responses)
     app = FastAPI(title="kvserve", version="0.1.0")
     app.state.gate = gate = gate or Gate()
     app.state.sse_keepalive_s = http.sse_keepalive_s
@@ -65,7 +69,7 @@ def create_app(engine: Engine, http: HTTPConfig | None = None, gate: Gate | None
         return await _generate(engine, body, tokens, shape, http_request, prefix)
 
     install_anthropic_routes(app, engine, names)
-    install_responses_routes(app, engine, names)
+    install_responses_routes(app, engine, names, responses)
     return app
 
 
@@ -106,7 +110,7 @@ def install_guards(app: FastAPI, http: HTTPConfig, gate: Gate) -> None:
         from kvserve.server.http.guard import OpenAICORSMiddleware
 
         app.add_middleware(OpenAICORSMiddleware, allow_origins=list(http.cors_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
 
 

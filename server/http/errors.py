@@ -73,13 +73,19 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 _BRANCHES = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
 
-def _param(error: dict) -> str | None:
-    """The dotted field path of a pydantic error, without ``body`` and union branch names.
+# Where FastAPI found a parameter: the first element of an error's path, not part of its name.
+_SOURCES = frozenset({"body", "query", "path"})
 
-    >>> _param({"loc": ("body", "messages", 0, "content", "str")})
-    'messages.0.content'
+
+def _param(error: dict) -> str | None:
+    """The dotted field path of a pydantic error, without where it came from (``body``,
+    ``query``) and union branch names.
+
+    >>> _param({"loc": ("body", "messages", 0, "content", "str")}), _param({"loc": ("query", "limit")})
+    ('messages.0.content', 'limit')
     """
-    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    loc = list(error.get("loc", ()))
+    loc = [str(p) for p in (loc[1:] if loc and loc[0] in _SOURCES else loc)]
     loc = [p for p in loc if p not in _BRANCHES and "[" not in p]
     return _clip(".".join(loc)) or None  # a path may hold a client's dict key
 
@@ -172,7 +178,9 @@ def document_errors(app: FastAPI) -> None:
             for method, operation in path.items():
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
-                errors = _POST_ERRORS if method == "post" else _GET_ERRORS
+                # The statuses every route of the method may answer, and those a route declares.
+                errors = {**(_POST_ERRORS if method == "post" else _GET_ERRORS),
+                          **{s: r.get("description", "") for s, r in responses.items() if s[:1] in "45"}}
                 responses.update({status: {"description": text, "content": ref} for status, text in errors.items()})
         app.openapi_schema = schema
         return schema

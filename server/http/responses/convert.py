@@ -31,15 +31,18 @@ from kvserve.server.http.responses.schemas import ResponsesRequest
 from kvserve.server.http.schemas import SamplingFields
 
 
-def chat_input(body: ResponsesRequest, items: list[Item]) -> ChatInput:
+def chat_input(body: ResponsesRequest, items: list[Item], first: int = 0) -> ChatInput:
+    """``items[first:]`` are the request's own input; the ones before, the stored conversation
+    it continues (``previous_response_id``)."""
     tools = [t.chat_dict() for t in body.tools] if body.tools else None
-    return ChatInput(messages=chat_messages(body.instructions, items), tools=tools,
+    return ChatInput(messages=chat_messages(body.instructions, items, first), tools=tools,
                      tool_choice=body.tool_choice_value(),
                      parallel_tool_calls=body.parallel_tool_calls is not False,
                      response_format=body.response_format())
 
 
-def chat_messages(instructions: str | None, items: list[Item]) -> list[dict]:
+def chat_messages(instructions: str | None, items: list[Item], first: int = 0) -> list[dict]:
+    """An error names the item by its index in the request's input, which starts at ``first``."""
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     names: dict[str, str] = {}  # call_id -> function name, for the outputs that answer them
     for index, item in enumerate(items):
@@ -51,7 +54,7 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict]:
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in names:
                 raise APIError(400, f"no function_call item before it has call_id {item.call_id!r}",
-                               param=f"input.{index}.call_id", code="invalid_value")
+                               param=f"input.{index - first}.call_id", code="invalid_value")
             out.append({"role": "tool", "content": item.text(), "tool_call_id": item.call_id,
                         "name": names[item.call_id]})
         # A reasoning item is a past turn's thinking: not shown to the model again.

@@ -12,7 +12,9 @@ sent events OpenAI's clients assemble, in the order OpenAI's API sends them:
     event: response.completed               (or response.incomplete, or response.failed)
 
 Every event's data carries its ``type`` and a ``sequence_number`` counting from 0; there
-is no ``[DONE]`` line. Keep-alive comments fill silences, as on the chat route.
+is no ``[DONE]`` line. Keep-alive comments fill silences, as on the chat route. A response
+that is stored is stored before its last event is sent, so a client that has read it can
+retrieve it or continue from it at once.
 
 Example:
     >>> from kvserve.server.engine.request import FinishReason, Usage
@@ -27,7 +29,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request as HTTPRequest
 
@@ -37,16 +39,22 @@ from kvserve.server.http.responses.schemas import FunctionChoice, ResponsesReque
 from kvserve.server.http.streams import KEEPALIVE, EngineFailed, EventStream, engine_error
 
 
-def new_response(body: ResponsesRequest, model: str) -> dict:
-    """The response as it starts: the request's settings echoed, no output yet."""
+# The end of a response that is kept (a failed one is not): its final state, to store.
+OnEnd = Callable[[dict], Awaitable[None]]
+ENDS = ("response.completed", "response.incomplete")
+
+
+def new_response(body: ResponsesRequest, model: str, stored: bool = False) -> dict:
+    """The response as it starts: the request's settings echoed, no output yet; ``stored``:
+    whether it is kept when it ends."""
     fmt, choice = body.text_format, body.tool_choice
     return {
         "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "background": False, "completed_at": None, "error": None, "incomplete_details": None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "max_tool_calls": None,
         "model": model, "output": [], "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-        "service_tier": body.service_tier or "default", "store": False,
+        "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "service_tier": body.service_tier or "default", "store": stored,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
         "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
@@ -105,8 +113,9 @@ def sse(event: dict, sequence_number: int) -> str:
 
 
 async def response_events(start: dict, stream: EventStream, reply: Reply, on_close: Callable[[], None],
-                          keepalive_s: float | None = None) -> AsyncIterator[str]:
-    """The server-sent events of one streamed response."""
+                          keepalive_s: float | None = None, on_end: OnEnd | None = None) -> AsyncIterator[str]:
+    """The server-sent events of one streamed response; ``on_end`` gets its final state
+    (completed or incomplete) before the event that carries it is sent."""
     out, numbers = OutputItems(), itertools.count()
     try:
         for kind in ("response.created", "response.in_progress"):
@@ -117,6 +126,8 @@ async def response_events(start: dict, stream: EventStream, reply: Reply, on_clo
                 yield KEEPALIVE
                 continue
             bodies = _event_bodies(start, out, reply, event)
+            if on_end is not None and bodies and bodies[-1]["type"] in ENDS:
+                await on_end(bodies[-1]["response"])
             for body in bodies:
                 yield sse(body, next(numbers))
             if bodies and bodies[-1]["type"] == "response.failed":

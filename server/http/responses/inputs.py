@@ -4,13 +4,18 @@ reasoning. Each item is validated on its own, so a 400 names the item and the fi
 
 The official client sends a response's ``output`` back as the next ``input``; those items
 carry ids, statuses and empty annotations, which are accepted. A past ``reasoning`` item is
-accepted and not shown to the model again (as chat's ``reasoning_content``).
+accepted and not shown to the model again (as chat's ``reasoning_content``). A stored
+response keeps its input items as ``stored_item`` spells them: as OpenAI lists them back, and
+as ``parse_input`` takes them again when a later request continues the conversation.
 
 Example:
     >>> items = parse_input([{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
     ...                      {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}])
     >>> [type(i).__name__ for i in items], items[0].text()
     (['MessageItem', 'FunctionCallItem'], 'hi')
+    >>> item = stored_item(parse_input("Hello")[0])
+    >>> item["content"], item["id"], item["status"]
+    ([{'type': 'input_text', 'text': 'Hello'}], 'msg_...', 'completed')
     >>> parse_input([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
     Traceback (most recent call last):
     ...
@@ -24,6 +29,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, ValidationError, model_validator
 
 from kvserve.server.http.errors import APIError
+from kvserve.server.http.responses.items import new_id
 from kvserve.server.http.responses.schemas import StrictBody
 from kvserve.server.http.schemas import FunctionName, parse_arguments
 
@@ -108,6 +114,7 @@ Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningIte
 ITEM_MODELS: dict[str, type[StrictBody]] = {"message": MessageItem, "function_call": FunctionCallItem,
                                        "function_call_output": FunctionCallOutputItem,
                                        "reasoning": ReasoningItem}
+ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def parse_input(value: str | list[dict]) -> list[Item]:
@@ -121,7 +128,7 @@ def _item(index: int, raw: dict) -> Item:
     kind = raw.get("type", "message")  # a message may leave its type out
     model = ITEM_MODELS.get(kind) if isinstance(kind, str) else None
     if model is None:
-        why = "kvserve stores no items: send the item itself" if kind == "item_reference" \
+        why = "items are not looked up by id: send the item itself" if kind == "item_reference" \
             else f"kvserve takes {', '.join(ITEM_MODELS)} items"
         raise APIError(400, f"input items of type {kind!r} are not served: {why}", param=f"input.{index}.type",
                        code="invalid_value")
@@ -146,3 +153,18 @@ def _first_error(exc: ValidationError) -> tuple[str, str]:
     error = max(exc.errors(), key=lambda e: len(e["loc"]))
     loc = [str(p) for p in error["loc"] if not (isinstance(p, str) and (p == "str" or "[" in p))]
     return error["msg"], "".join(f".{p}" for p in loc)
+
+
+def stored_item(item: Item) -> dict:
+    """``item`` as a stored response keeps it, and as ``GET /v1/responses/{id}/input_items``
+    lists it: with an id and a status where the client gave none, and a message's text as
+    one content part (the same text, so the same prompt when a later turn renders it)."""
+    data = item.model_dump(exclude_none=True, by_alias=True)
+    if isinstance(item, MessageItem) and isinstance(item.content, str):
+        part = {"type": "output_text", "text": item.content, "annotations": []} if item.role == "assistant" \
+            else {"type": "input_text", "text": item.content}
+        data["content"] = [part]
+    data.setdefault("id", new_id(ID_PREFIXES[data["type"]]))
+    if not isinstance(item, ReasoningItem):  # OpenAI's reasoning items carry no status
+        data.setdefault("status", "completed")
+    return data

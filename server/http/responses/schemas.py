@@ -1,8 +1,9 @@
 """OpenAI Responses API request bodies (the subset kvserve serves), validated by pydantic.
 
 As for chat completions, a field kvserve cannot honour is a 400 that names it, never
-silently dropped; the labels that change nothing (``user``, ``metadata``, ``store: false``,
-``truncation: "disabled"``...) are accepted. ``input`` items are validated one by one in
+silently dropped; the labels that change nothing (``user``, ``metadata``,
+``truncation: "disabled"``...) are accepted. ``store`` and ``previous_response_id`` are
+served (``routes.py``, ``store.py``). ``input`` items are validated one by one in
 ``convert.py``, so an error names the item (``input.2.content.0``) rather than every branch
 of a union.
 
@@ -11,12 +12,12 @@ Example:
     ...                         tool_choice={"type": "function", "name": "f"})
     >>> body.tool_choice_value(), body.response_format() is None
     ({'type': 'function', 'function': {'name': 'f'}}, True)
-    >>> ResponsesRequest(model="m", input="hi", store=True)
+    >>> ResponsesRequest(model="m", input="hi", background=True)
     Traceback (most recent call last):
     ...
     pydantic_core._pydantic_core.ValidationError: 1 validation error for ResponsesRequest
-    store
-      Value error, kvserve stores no responses: store must be false or absent ...
+    background
+      Value error, background responses are not served: a response is answered to its request ...
 """
 
 from __future__ import annotations
@@ -115,10 +116,10 @@ class StreamOptions(StrictBody):
 
 # Fields of OpenAI's API that kvserve serves only in their neutral value: (accepted, why not).
 UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "previous_response_id": ((None,), "kvserve stores no responses: send the whole conversation in input"),
-    "conversation": ((None,), "kvserve stores no conversations: send the whole conversation in input"),
-    "background": ((None, False), "background responses are not served: nothing is stored to poll"),
-    "store": ((None, False), "kvserve stores no responses: store must be false or absent"),
+    "conversation": ((None,), "conversation objects are not served: continue from a response with "
+                              "previous_response_id, or send the whole conversation in input"),
+    "background": ((None, False), "background responses are not served: a response is answered to its "
+                                  "request (streamed or whole)"),
     "include": ((None, []), "there is no extra output to include"),
     "truncation": ((None, "disabled"), "input is never truncated: a prompt over the context is a 400"),
 }
@@ -150,11 +151,12 @@ class ResponsesRequest(StrictBody):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # the prefix cache finds shared prefixes by itself
     service_tier: str | None = None
+    # Kept (unless false: OpenAI's default is true), and continued from (routes.py).
+    store: bool | None = None
+    previous_response_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # Served in their neutral value only (UNSERVED).
-    previous_response_id: Any = None
     conversation: Any = None
     background: bool | None = None
-    store: bool | None = None
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
 
