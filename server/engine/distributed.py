@@ -89,7 +89,9 @@ class Channel:
                     body += self._tail(data[FRAME - 4 :], n - (FRAME - 4))
                 out.append(json.loads(body))
             return out
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
+            # A peer killed inside the collective can leave its frame half written without
+            # the backend raising: a frame that does not decode is a lost peer too.
             raise self.lost(exc) from None
 
     def _tail(self, data: bytes, n: int) -> bytes:
