@@ -17,13 +17,23 @@ Per (architecture, scheme) one server runs every check, restarted once:
   keeps at that length). The engine's step count shows the rows decoded together.
 - the prefix cache across a restart: prompt A gets reply R; A + R + B starts from a cached
   prefix (A, or A plus R as far as it was fed), and again, sent a second time, from what is
-  cached then; after SIGTERM (which drains and flushes the disk writer) a new server on the
-  same ``--prompt-cache-dir`` starts it from that same prefix, read from disk, and continues
-  with the second reply's tokens (in fp16, the first reply's too).
+  cached then; after a stop (the engine finishes and flushes the disk writer; a process
+  drains first, on SIGTERM) a new server on the same ``--prompt-cache-dir`` starts it from
+  that same prefix, read from disk, and continues with the second reply's tokens (in fp16,
+  the first reply's too).
 
+For each architecture one scheme's server is a ``kvserve serve`` process, restarted with
+SIGTERM and a new process (the schemes take turns: each gets processes for 4-5
+architectures), so for every layer kind the files are read back by a process that shares
+nothing with the one that wrote them (no module state, no hash seed). The other two
+schemes' servers are the same configuration, engine and HTTP app inside the test process
+(``tests/inprocess.py``), restarted by stopping the engine and starting a new one on the
+same directories: a process start costs about 3 s of CPU (most of it imports), as much as
+all of a case's requests, and one per case and per restart were most of this file's time.
 Each case's server is launched while the case before it runs (``Launcher``).
 ``test_mlx_lm_decodes_it`` is the control: mlx-lm alone, with its own caches, loads the
-directory and decodes it.
+directory and decodes it. The start-up refusals: one as a process (its exit code and one
+line), the others in this process (the error that line prints).
 
 The server reports tokens as text (``logprobs.tokens``), not ids; reply ids are recovered by
 inverting the tokenizer's one-token decodes, which is exact except for the few ids that
@@ -43,6 +53,7 @@ import httpx
 import pytest
 
 from archs import ARCHS, make_tiny_model, prompt_tokens
+from inprocess import InProcessServer
 from servers import ServerProcess
 from together import together
 
@@ -84,19 +95,31 @@ def arch_dir(arch, models) -> Path:
     return models(arch)
 
 
+def in_a_process(arch: str, scheme: str) -> bool:
+    """Whether a case's server is a ``kvserve serve`` process (one scheme per architecture,
+    taking turns: each scheme gets 4-5 architectures) or runs in this process."""
+    return SCHEMES[list(ARCHS).index(arch) % len(SCHEMES)] == scheme
+
+
 @dataclass
 class Served:
-    """A server of one model and scheme, with the directories a restart keeps."""
+    """A server of one model and scheme, with the directories a restart keeps: a process,
+    or the same configuration, engine and HTTP app in this one (``InProcessServer``)."""
 
     model_dir: Path
     scheme: str
     cache_dir: Path
     prompt_cache_dir: Path
-    proc: ServerProcess | None = field(default=None, init=False)
+    process: bool = True
+    proc: ServerProcess | InProcessServer | None = field(default=None, init=False)
+    client: httpx.Client | None = field(default=None, init=False)  # one per start: a client
+    # costs 40 ms of CPU to make (its SSL context), a third of a request to these models
 
     def launch(self) -> "Served":
-        self.proc = ServerProcess(self.model_dir, "--kv-scheme", self.scheme, "--cache-dir",
-                                  str(self.cache_dir), "--prompt-cache-dir", str(self.prompt_cache_dir))
+        kind = ServerProcess if self.process else InProcessServer
+        self.proc = kind(self.model_dir, "--kv-scheme", self.scheme, "--cache-dir",
+                         str(self.cache_dir), "--prompt-cache-dir", str(self.prompt_cache_dir))
+        self.client = httpx.Client(base_url=self.proc.base_url, timeout=TIMEOUT)
         return self
 
     def wait(self) -> "Served":
@@ -107,28 +130,30 @@ class Served:
         return self.launch().wait()
 
     def stop(self) -> int:
+        self.client.close()
         return self.proc.stop()
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict:
         """A greedy /v1/completions of token ids, with each token's two best alternatives."""
         body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "logprobs": 2}
-        response = httpx.post(f"{self.proc.base_url}/v1/completions", json=body, timeout=TIMEOUT)
+        response = self.client.post("/v1/completions", json=body)
         assert response.status_code == 200, (response.status_code, response.text[:500], self.log_tail())
         return response.json()
 
     def steps(self) -> float:
         """Engine steps so far (every decode step of the whole batch counts one)."""
-        return sum(v for k, v in metrics(self.proc.base_url).items()
-                   if k.startswith("kvserve_step_seconds_count"))
+        lines = self.client.get("/metrics").text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("kvserve_step_seconds_count"))
 
     def log_tail(self, lines: int = 15) -> str:
         return "\n".join(self.proc.output().splitlines()[-lines:])
 
 
 class Launcher:
-    """Launches each case's server while the case before it runs. A start takes about 4 s
-    (imports, loading, start-up checks); run one after another, starts were most of the time
+    """Launches each case's server while the case before it runs. A process takes about 3 s
+    of CPU to start (imports, loading, start-up checks), one in this process about 1.3 s (the
+    tokenizer's load and hash); waited for one after another, starts were much of the time
     this file took."""
 
     def __init__(self, order: list[tuple[str, str]], models: Callable[[str], Path], root: Path):
@@ -150,7 +175,7 @@ class Launcher:
     def _launch(self, case: tuple[str, str]) -> Served:
         arch, scheme = case
         d = self.root / f"{arch}-{scheme}"
-        return Served(self.models(arch), scheme, d / "cache", d / "prompt-cache").launch()
+        return Served(self.models(arch), scheme, d / "cache", d / "prompt-cache", in_a_process(arch, scheme)).launch()
 
     def close(self) -> None:
         for server in self.pending.values():  # launched for a case that did not run (-x, -k)
@@ -243,14 +268,16 @@ def known_ids(tokenizer_dir: Path, tokens: list[str]) -> list[int]:
 # --- the control: mlx-lm alone ---
 
 def test_mlx_lm_decodes_it(arch_dir):
-    """mlx-lm loads the directory and decodes 20 greedy tokens with its own caches; two
-    prompts continue differently, and neither repeats one token throughout."""
+    """mlx-lm loads the directory's model and decodes 20 greedy tokens with its own caches;
+    two prompts continue differently, and neither repeats one token throughout. (Its
+    tokenizer: ``make_tiny_model`` checked that the whole ``mlx_lm.load`` reads the directory,
+    and every server here loads it again; this control needs the model only.)"""
     import mlx.core as mx
-    import mlx_lm
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
 
-    model, _ = mlx_lm.load(str(arch_dir))
+    model, _ = load_model(arch_dir)
     outs = []
     for prompt in PROMPTS[:2]:
         cache = make_prompt_cache(model)
@@ -317,7 +344,10 @@ def test_prefix_cache_serves_the_next_turn_across_a_restart(served, default_mode
 
 def test_an_architecture_without_a_cache_is_refused_at_start_up(models, tmp_path):
     """Llama 4's chunked attention has no kvserve cache: ``kvserve serve`` exits before it
-    listens, with one line naming the layer and mlx-lm's cache class (not a 500 per request)."""
+    listens, with one line naming the layer and mlx-lm's cache class (not a 500 per request).
+    The one start-up refusal here run as a process: the others raise the same kind of error
+    (``ModelLoadError``) from the same step, the model load that ``Engine.start`` re-raises,
+    so they are checked in this process (``refused_at_start_up``)."""
     import subprocess
     import sys
 
@@ -331,16 +361,23 @@ def test_an_architecture_without_a_cache_is_refused_at_start_up(models, tmp_path
                      "mlx-lm's ChunkedKVCache (no kvserve cache for this layer kind)"], result.stderr
 
 
-def _start_up_errors(*args: str) -> list[str]:
-    """``kvserve serve ARGS`` that must exit before it listens: its one error line."""
-    import subprocess
-    import sys
+def refused_at_start_up(model: Path, *args: str) -> str:
+    """``kvserve serve --model MODEL ARGS`` in this process (``InProcessServer``), which must
+    fail before it listens with a ``ModelLoadError``: the error the command prints as its
+    one line before it exits 1 (as the Llama 4 process above does). Its message, checked to
+    be one line."""
+    from kvserve.server.models.errors import ModelLoadError
 
-    result = subprocess.run([sys.executable, "-m", "kvserve.server.cli", "serve", "--port", "0", *args],
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    return [line for line in result.stderr.splitlines() if line.startswith("kvserve: error:")]
+    server = InProcessServer(model, *args)
+    try:
+        with pytest.raises(RuntimeError, match="server exited with 1"):
+            server.wait_ready(timeout=120)
+    finally:
+        server.stop()
+    assert isinstance(server.error, ModelLoadError), server.output()
+    message = str(server.error)
+    assert "\n" not in message, message
+    return message
 
 
 def _other_tokenizer(src: Path, dst: Path) -> Path:
@@ -357,37 +394,39 @@ def _other_tokenizer(src: Path, dst: Path) -> Path:
 @pytest.mark.parametrize("draft,reason", [("lfm2", "recurrent-state layers"), ("other-tokenizer", "another tokenizer")])
 def test_a_draft_model_that_cannot_propose_is_refused_at_start_up(models, tmp_path, draft, reason):
     """``--speculative draft``: a draft whose recurrent layers cannot drop rejected tokens,
-    or whose tokenizer gives other ids, exits before the server listens, in one line."""
+    or whose tokenizer gives other ids, is refused before the server listens, in one line."""
     path = models(draft) if draft != "other-tokenizer" else _other_tokenizer(models("llama"), tmp_path / "d")
-    lines = _start_up_errors("--model", str(models("llama")), "--cache-dir", str(tmp_path / "c"),
-                             "--speculative", "draft", "--draft-model", str(path))
-    assert len(lines) == 1 and lines[0].startswith(f"kvserve: error: draft model {path.name} ") and reason in lines[0], lines
+    message = refused_at_start_up(models("llama"), "--cache-dir", str(tmp_path / "c"),
+                                  "--speculative", "draft", "--draft-model", str(path))
+    assert message.startswith(f"draft model {path.name} ") and reason in message, message
 
 
 def test_speculation_on_a_model_with_a_state_beside_attention_is_refused_at_start_up(models, tmp_path):
     """Falcon-H1 runs a Mamba state and attention side by side in one layer, which verifies a
-    chunk at once: its state cannot roll back row by row, so ``--speculative ngram`` exits
-    before it listens, with one line that says why. (Layers of a state alone verify
+    chunk at once: its state cannot roll back row by row, so ``--speculative ngram`` is
+    refused before it listens, with one line that says why. (Layers of a state alone verify
     position by position: ``tests/test_speculative.py``.)"""
-    lines = _start_up_errors("--model", str(models("falcon_h1")), "--cache-dir", str(tmp_path), "--speculative", "ngram")
-    assert len(lines) == 1 and "speculative decoding needs layers that can drop rejected tokens" in lines[0] \
-        and "recurrent-state layers beside attention in one layer ((state2|kv)*2)" in lines[0], lines
+    message = refused_at_start_up(models("falcon_h1"), "--cache-dir", str(tmp_path), "--speculative", "ngram")
+    assert "speculative decoding needs layers that can drop rejected tokens" in message \
+        and "recurrent-state layers beside attention in one layer ((state2|kv)*2)" in message, message
 
 
 def test_a_recurrent_model_served_with_prompt_lookup_answers_as_without(models, tmp_path):
     """Qwen3.5 (GatedDeltaNet layers beside full attention) over HTTP with ``--speculative
     ngram``: prompts that repeat themselves get guesses verified position by position through
-    the recurrent layers, and every greedy reply equals the plain server's."""
-    servers = {mode: ServerProcess(models("qwen3_5"), "--cache-dir", str(tmp_path / mode), "--speculative", mode,
-                                   "--prompt-cache-disk-gb", "0") for mode in ("off", "ngram")}
+    the recurrent layers, and every greedy reply equals the plain server's. (Both servers run
+    in this process: ``InProcessServer``.)"""
+    servers = {mode: InProcessServer(models("qwen3_5"), "--cache-dir", str(tmp_path / mode), "--speculative", mode,
+                                     "--prompt-cache-disk-gb", "0") for mode in ("off", "ngram")}
     try:
         for proc in servers.values():
             proc.wait_ready(timeout=120)
         base = prompt_tokens(7, 10)
         bodies = [{"model": "default", "prompt": (base * 6)[: 30 + 7 * i], "max_tokens": 40, "temperature": 0}
                   for i in range(3)]
-        replies = {mode: [httpx.post(f"{proc.base_url}/v1/completions", json=b, timeout=TIMEOUT).json()
-                          ["choices"][0]["text"] for b in bodies] for mode, proc in servers.items()}
+        with httpx.Client(timeout=TIMEOUT) as client:
+            replies = {mode: [client.post(f"{proc.base_url}/v1/completions", json=b).json()
+                              ["choices"][0]["text"] for b in bodies] for mode, proc in servers.items()}
         assert replies["ngram"] == replies["off"]
         counts = metrics(servers["ngram"].base_url)
         proposed = sum(v for k, v in counts.items() if k.startswith("kvserve_speculative_proposed_tokens_total"))
