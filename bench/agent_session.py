@@ -22,6 +22,12 @@ system prompt and tools, other tasks.
 ``--template gemma`` is for a model without a chat template (Gemma 3 270M's GGUF is the base
 model's): the bench renders the conversation itself in Gemma's turn format and sends it to
 ``/v1/completions``, so the server sees no messages, only text.
+
+``--api responses`` runs the session through OpenAI's Responses API as a stateful client
+does: each turn sends the instructions and only its new input (the task, then each tool's
+result as the user's message) with ``previous_response_id``; the server keeps the
+conversation, the model's own replies included, across the restart. mlx_lm.server has no
+Responses API: no peer runs.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ import datetime
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import httpx
 
 from kvserve.bench.cli import default_model_dir, machine
 from kvserve.bench.prefix import streamed_ttft
@@ -166,6 +175,51 @@ def session(target: Target, model_dir: Path, turns: int, restart_after: int, pro
     return rows
 
 
+def responses_session(target: Target, model_dir: Path, turns: int, restart_after: int,
+                      prompt_tokens: int) -> list[dict]:
+    """Turn by turn through ``/v1/responses``, each turn only its new input after
+    ``previous_response_id``: the prompt tokens, the cached ones, the input sent (characters)
+    and the seconds to the whole 16-token reply."""
+    rows, running, previous = [], Running(target, model_dir), None
+    try:
+        for turn in range(turns):
+            if turn == restart_after:
+                running.stop()
+                running = Running(target, model_dir)
+            text = TASKS[0] if turn == 0 else f"Result of step {turn}:\n{tool_result(turn - 1)}"
+            body = {"model": running.model_name, "instructions": system_prompt(prompt_tokens), "input": text,
+                    "max_output_tokens": 16, "temperature": 0,
+                    **({"previous_response_id": previous} if previous else {})}
+            start = time.perf_counter()
+            reply = httpx.post(f"{running.base_url}/v1/responses", json=body, timeout=600)
+            reply.raise_for_status()
+            response, elapsed = reply.json(), time.perf_counter() - start
+            previous, usage = response["id"], response["usage"]
+            rows.append({"turn": turn + 1, "restarted": turn == restart_after, "sent": len(text),
+                         "prompt_tokens": usage["input_tokens"], "elapsed": elapsed,
+                         "cached": usage["input_tokens_details"]["cached_tokens"]})
+    finally:
+        running.stop()
+    return rows
+
+
+def render_responses(rows: list[dict], args, model_dir: Path, argv: list[str]) -> str:
+    lines = [f"# A Responses session: {args.turns} turns with previous_response_id, restarted after turn "
+             f"{args.restart_after}", "", f"- date: {datetime.date.today().isoformat()}", f"- machine: {machine()}",
+             f"- model: `{model_dir}`", f"- command: `python bench/agent_session.py {shlex.join(argv)}`", "",
+             "| turn | input sent (chars) | prompt tokens | cached | share | reply time (s, 16 tokens) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        mark = " (after restart)" if r["restarted"] else ""
+        lines.append(f"| {r['turn']}{mark} | {r['sent']} | {r['prompt_tokens']} | {r['cached']} "
+                     f"| {r['cached'] / r['prompt_tokens']:.1%} | {r['elapsed']:.3f} |")
+    later = rows[1:]
+    cached, total = sum(r["cached"] for r in later), sum(r["prompt_tokens"] for r in later)
+    lines += ["", f"Turns 2-{args.turns}: {cached} of {total} prompt tokens served from the prefix cache "
+              f"({cached / total:.1%}); lowest turn {min(r['cached'] / r['prompt_tokens'] for r in later):.1%}."]
+    return "\n".join(lines) + "\n"
+
+
 def render(ours: list[dict], peer: list[dict] | None, args, model_dir: Path, argv: list[str]) -> str:
     lines = [f"# An agent session: {args.turns} turns, restarted after turn {args.restart_after}", "",
              f"- date: {datetime.date.today().isoformat()}", f"- machine: {machine()}",
@@ -205,11 +259,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-scheme", default="fp16")
     p.add_argument("--skip-peer", action="store_true")
     p.add_argument("--template", choices=("gemma",), help="render the chat here and send completions")
+    p.add_argument("--api", choices=("chat", "responses"), default="chat",
+                   help="responses: each turn sends only its new input with previous_response_id (no peer)")
     p.add_argument("--out", help="write the Markdown report here")
     args = p.parse_args(argv)
     model_dir = default_model_dir(args.model)
     with tempfile.TemporaryDirectory(prefix="kvserve-agent-bench-") as cache:
         target = Target.parse(f"kvserve:--kv-scheme {args.kv_scheme} --prompt-cache-dir {cache}")
+        if args.api == "responses":  # the kept responses in this run's folder too
+            target = Target.parse(f"kvserve:--kv-scheme {args.kv_scheme} --prompt-cache-dir {cache} "
+                                  f"--cache-dir {cache}")
+            rows = responses_session(target, model_dir, args.turns, args.restart_after, args.prompt_tokens)
+            publish(render_responses(rows, args, model_dir, argv), args.out)
+            return 0
         ours = session(target, model_dir, args.turns, args.restart_after, args.prompt_tokens, args.template)
     peer = None if args.skip_peer else session(Target.parse("mlx_lm:"), model_dir, args.turns,
                                                args.restart_after, args.prompt_tokens, args.template)

@@ -42,18 +42,25 @@ from typing import Any
 from kvserve.server.engine.grammar import Grammar
 from kvserve.server.engine.request import Request, RequestStatus, SamplingParams
 from kvserve.server.engine.scheduler import PrefillChunk, StepPlan
+from kvserve.server.engine.thinking import ThinkingBudget
 
 
 def params_to_dict(p: SamplingParams) -> dict[str, Any]:
-    """Every sampling field; a grammar as its kind and text.
+    """Every sampling field; a grammar as its kind and text, a thinking budget as its fields.
 
     >>> params_from_dict(json.loads(json.dumps(params_to_dict(SamplingParams(logit_bias=((5, -1.0),))))))
     SamplingParams(max_tokens=512, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0, \
-frequency_penalty=0.0, logit_bias=((5, -1.0),), seed=None, stop=(), logprobs=False, top_logprobs=0, grammar=None)
+frequency_penalty=0.0, logit_bias=((5, -1.0),), seed=None, stop=(), logprobs=False, top_logprobs=0, grammar=None, \
+thinking=None)
+    >>> budget = SamplingParams(thinking=ThinkingBudget(1024, start=(7,), end=(8, 9), open=True))
+    >>> params_from_dict(json.loads(json.dumps(params_to_dict(budget)))) == budget
+    True
     """
     out = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
     if p.grammar is not None:
         out["grammar"] = {"kind": p.grammar.kind, "text": p.grammar.text}
+    if p.thinking is not None:
+        out["thinking"] = dataclasses.asdict(p.thinking)
     return out
 
 
@@ -63,6 +70,9 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
     d["stop"] = tuple(d["stop"])
     if d["grammar"] is not None:
         d["grammar"] = Grammar(**d["grammar"])
+    if d.get("thinking") is not None:
+        t = d["thinking"]
+        d["thinking"] = ThinkingBudget(t["budget"], tuple(t["start"]), tuple(t["end"]), t["open"])
     return SamplingParams(**d)
 
 
