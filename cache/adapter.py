@@ -30,6 +30,7 @@ attended over last, which cache that was, and routes such calls to it.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -50,19 +51,29 @@ class UnsupportedLayers(TypeError):
 
 # The K/V a kvserve cache attended over most recently, by id, with the cache: a shared-KV
 # layer's call presents the same objects. Strong references keep the ids from being reused.
-_RECENT_KV: dict[int, tuple[Any, Any]] = {}
+# One table per thread: a forward runs on its engine's thread, and two engines in one process
+# (tests serve several at once) would otherwise evict each other's entries.
+_LOCAL = threading.local()
 _RECENT_MAX = 4
+
+
+def _recent_kv() -> dict[int, tuple[Any, Any]]:
+    table = getattr(_LOCAL, "kv", None)
+    if table is None:
+        table = _LOCAL.kv = {}
+    return table
 
 
 def _remember(keys: Any, cache: Any) -> None:
     if not isinstance(keys, mx.array):  # raw arrays need no routing: mlx-lm reads them
-        _RECENT_KV[id(keys)] = (keys, cache)
-        while len(_RECENT_KV) > _RECENT_MAX:
-            _RECENT_KV.pop(next(iter(_RECENT_KV)))
+        recent = _recent_kv()
+        recent[id(keys)] = (keys, cache)
+        while len(recent) > _RECENT_MAX:
+            recent.pop(next(iter(recent)))
 
 
 def _owner(keys: Any) -> Any:
-    found = _RECENT_KV.get(id(keys))
+    found = _recent_kv().get(id(keys))
     return found[1] if found is not None and found[0] is keys else None
 
 
