@@ -173,12 +173,9 @@ def serve(config: ServerConfig) -> int:
     from kvserve.server.models.blas import enable_fast_blas
 
     blas = enable_fast_blas()
-    import uvicorn
-
     from kvserve.server.engine.device import choose_profile
     from kvserve.server.engine.loop import Engine
     from kvserve.server.engine.model_loader import make_loader
-    from kvserve.server.http.app import create_app
 
     from kvserve.cache import UnknownScheme, parse_scheme
 
@@ -203,10 +200,7 @@ def serve(config: ServerConfig) -> int:
 
     gate = Gate()
     responses = ResponseStore.under(config.model.resolved_cache_dir(), config.http.max_stored_responses)
-    uv_config = uvicorn.Config(create_app(engine, config.http, gate, responses), host=config.http.host,
-                               port=config.http.port, log_level=config.http.log_level,
-                               h11_max_incomplete_event_size=PARSER_HEAD_FACTOR * config.http.max_header_bytes)
-    server = _draining_server(uvicorn.Server)(uv_config, engine, gate, config.http.drain_timeout_s)
+    server = _http_server(config, engine, gate, responses)
     threading.Thread(target=_stop_when_down, args=(engine, server), name="kvserve-down", daemon=True).start()
     if group is not None:
         _watch_peers(loaded.runner.channel, engine.fail_now)
@@ -222,6 +216,18 @@ def serve(config: ServerConfig) -> int:
         _progress(f"the engine did not stop within {wait:g} s; queued cache writes may be lost")
         return 1
     return 1 if engine.down else 0
+
+
+def _http_server(config: ServerConfig, engine, gate, responses):
+    """uvicorn serving the app, draining the engine's requests on SIGTERM."""
+    import uvicorn
+
+    from kvserve.server.http.app import create_app
+
+    uv_config = uvicorn.Config(create_app(engine, config.http, gate, responses), host=config.http.host,
+                               port=config.http.port, log_level=config.http.log_level,
+                               h11_max_incomplete_event_size=PARSER_HEAD_FACTOR * config.http.max_header_bytes)
+    return _draining_server(uvicorn.Server)(uv_config, engine, gate, config.http.drain_timeout_s)
 
 
 def _announce(engine, loaded, config: ServerConfig, seconds: float) -> None:
