@@ -73,6 +73,10 @@ class EngineConfig:
     speculative: str = "off"
     num_draft_tokens: int = 4
     draft_model: str | None = None
+    # A decode step of the draft as a share of one of the served model (0.1: a tenth). None:
+    # measured at start-up, which a machine busy with other work can overstate (and then no
+    # row proposes); set it to pin the choice of how many positions are verified.
+    draft_cost: float | None = None
     # Split the model across the processes ``mlx.launch`` started (tensor parallel over
     # mx.distributed): rank 0 serves HTTP and plans, every rank computes its shard.
     distributed: bool = False
@@ -103,6 +107,7 @@ class EngineConfig:
         _require(not (self.draft_model and self.distributed),
                  "engine.draft_model cannot be used with engine.distributed (each process would "
                  "run its own draft)")
+        _require(self.draft_cost is None or 0 <= self.draft_cost, "engine.draft_cost must be >= 0")
         # Sliding windows keep 16 slots past the window: a verify chunk must fit in them.
         _require(1 <= self.num_draft_tokens <= 15, "engine.num_draft_tokens must be between 1 and 15")
 

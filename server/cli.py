@@ -189,7 +189,8 @@ def serve(config: ServerConfig) -> int:
     if group is not None and group.rank() != 0:
         return _follow(config, scheme, blas.describe(), group, device)
     engine = Engine(make_loader(config.model, scheme, blas.describe(), _progress, config.cache,
-                                config.engine.speculative, group, config.engine.draft_model, device), config.engine)
+                                config.engine.speculative, group, config.engine.draft_model, device,
+                                config.engine.draft_cost), config.engine)
     loaded = engine.start()
     _announce(engine, loaded, config, time.monotonic() - started)
     # uvicorn re-raises the signals it caught under the handler installed before it started:

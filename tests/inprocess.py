@@ -71,7 +71,8 @@ class InProcessServer:
         config, settled = self.config, self._settled
         load = make_loader(config.model, parse_scheme(config.cache.kv_scheme), enable_fast_blas().describe(),
                            self.lines.append, cache=config.cache, speculative=config.engine.speculative,
-                           draft_model=config.engine.draft_model, device=_device_profile(config))
+                           draft_model=config.engine.draft_model, device=_device_profile(config),
+                           draft_cost=config.engine.draft_cost)
         engine = Engine(load, config.engine)
         engine.start()
 

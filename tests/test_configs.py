@@ -50,6 +50,7 @@ def test_waiting_limits_default_and_refusals():
     ({"draft_model": "m"}, "engine.speculative = draft needs engine.draft_model, and engine.draft_model needs it"),
     ({"speculative": "draft", "draft_model": "m", "distributed": True}, "cannot be used with engine.distributed"),
     ({"speculative": "eagle"}, "engine.speculative must be off, ngram or draft, got 'eagle'"),
+    ({"draft_cost": -0.1}, "engine.draft_cost must be >= 0"),
 ])
 def test_speculative_settings_refused_with_their_reason(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

@@ -103,13 +103,18 @@ def test_seeded_sampled_streams_equal_the_server_without_speculation(servers):
 @pytest.fixture(scope="module")
 def drafted(default_model_dir, tmp_path_factory):
     """Two servers of a tiny llama padded with 30 layers that add nothing: one plain, one
-    drafted by the unpadded tiny llama (same outputs, a fraction of the cost per token)."""
+    drafted by the unpadded tiny llama (same outputs, a fraction of the cost per token).
+    The draft's cost is pinned: measured at start-up on a busy machine it can come out high
+    enough that no row proposes, and what is verified must not depend on the machine."""
     root = tmp_path_factory.mktemp("drafted")
     target = make_padded_model("llama", 30, root / "target", default_model_dir, seed=1)
     draft = make_tiny_model("llama", root / "draft", default_model_dir, seed=1)
+    pinned = root / "draft.toml"
+    pinned.write_text("[engine]\ndraft_cost = 0.1\n")
     started = {mode: ServerProcess(target, "--cache-dir", str(root / mode), "--prompt-cache-disk-gb", "0",
                                    "--max-batch-size", "4", *args)
-               for mode, args in (("off", ()), ("draft", ("--speculative", "draft", "--draft-model", str(draft))))}
+               for mode, args in (("off", ()), ("draft", ("--speculative", "draft", "--draft-model", str(draft),
+                                                          "--config", str(pinned))))}
     for proc in started.values():
         proc.wait_ready()
     yield started

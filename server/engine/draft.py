@@ -24,7 +24,6 @@ graph and read back once, so the host does not wait between draft steps. Example
 
 from __future__ import annotations
 
-from statistics import median
 from time import perf_counter
 
 import mlx.core as mx
@@ -138,22 +137,28 @@ class DraftProposer:
         return logits
 
 
-def relative_cost(draft, target, scheme: KVScheme, context: int = 64, repeats: int = 5) -> float:
+def relative_cost(draft, target, scheme: KVScheme, context: int = 64, repeats: int = 7) -> float:
     """A one-row decode step of ``draft`` as a share of one of ``target``: each model's
-    median of ``repeats`` steps over ``context`` cached tokens, after one untimed step.
-    Measured at start-up, so the choice of how many positions to verify counts what the
-    draft's forwards cost on this machine."""
+    fastest of ``repeats`` steps over ``context`` cached tokens, the two models taking turns
+    after one untimed step each. Measured at start-up, so the choice of how many positions
+    to verify counts what the draft's forwards cost on this machine. The fastest step, not
+    the median, and taking turns: other work on the machine (another server starting) only
+    ever slows a step, and slows the two models' steps alike while they alternate."""
 
-    def step_seconds(model) -> float:
+    def stepper(model):
         cache = PromptCache.for_model(model, scheme)
         model(mx.zeros((1, context), dtype=mx.int32), cache=cache)
         cache.begin_decode()
         mx.eval(cache.state)
-        times = []
-        for _ in range(repeats + 1):
+
+        def step() -> float:
             start = perf_counter()
             mx.eval(model(mx.array([[1]]), cache=cache))
-            times.append(perf_counter() - start)
-        return median(times[1:])
+            return perf_counter() - start
 
-    return step_seconds(draft) / step_seconds(target)
+        step()
+        return step
+
+    steps = stepper(draft), stepper(target)
+    times = [[step() for step in steps] for _ in range(repeats)]
+    return min(t[0] for t in times) / min(t[1] for t in times)

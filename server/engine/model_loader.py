@@ -26,15 +26,17 @@ log = logging.getLogger("kvserve.engine")
 def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
                 progress: Callable[[str], None] | None = None, cache: CacheConfig | None = None,
                 speculative: str = "off", group=None, draft_model: str | None = None,
-                device: DeviceProfile | None = None):
+                device: DeviceProfile | None = None, draft_cost: float | None = None):
     """Returns a zero-argument loader for ``Engine``; ``blas`` describes the active BLAS;
     ``cache`` sizes the prefix cache (None: no prefix cache); ``speculative`` the proposer
-    ("off", "ngram", or "draft" with ``draft_model``); ``group``: rank 0 of a model split
+    ("off", "ngram", or "draft" with ``draft_model``, whose
+    step costs ``draft_cost`` of the served model's: None, measured); ``group``: rank 0 of a model split
     across processes (its runner leads the others); ``device``: the device profile (None:
     chosen for MLX's default device)."""
 
     def load() -> LoadedModel:
-        loaded = load_model(config, scheme, blas, progress, cache, speculative, group, draft_model, device)
+        loaded = load_model(config, scheme, blas, progress, cache, speculative, group, draft_model, device,
+                            draft_cost)
         if group is None:
             return loaded
         from kvserve.server.engine.distributed import Channel, LeaderRunner
@@ -47,7 +49,8 @@ def make_loader(config: ModelConfig, scheme: KVScheme, blas: str,
 def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
                progress: Callable[[str], None] | None = None,
                cache: CacheConfig | None = None, speculative: str = "off", group=None,
-               draft_model: str | None = None, device: DeviceProfile | None = None) -> LoadedModel:
+               draft_model: str | None = None, device: DeviceProfile | None = None,
+               draft_cost: float | None = None) -> LoadedModel:
     """The model (this rank's shard of it with ``group``), its runner and prefix cache, with
     the rewrites of the ``device`` profile (None: chosen for MLX's default device)."""
     from kvserve.server.engine.fastpath import apply_rewrites
@@ -78,7 +81,8 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
     grammars = Grammars(bundle.tokenizer, bundle.info.vocab_size)
     proposer = NgramProposer() if speculative == "ngram" else None
     if speculative == "draft":
-        proposer = load_draft(replace(config, model=draft_model), bundle, scheme, blas, progress, device)
+        proposer = load_draft(replace(config, model=draft_model), bundle, scheme, blas, progress, device,
+                              draft_cost)
     runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, proposer,
                          cache.prompt_cache_checkpoint_tokens if cache is not None else 0)
     return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars,
@@ -87,11 +91,13 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
 
 
 def load_draft(config: ModelConfig, target, scheme: KVScheme, blas: str,
-               progress: Callable[[str], None] | None = None, device: DeviceProfile | None = None):
+               progress: Callable[[str], None] | None = None, device: DeviceProfile | None = None,
+               cost: float | None = None):
     """The draft model of ``--speculative draft`` as a ``DraftProposer``: loaded like the
     served model (``target``, a ``ModelBundle``), refused in one line when its tokenizer
     maps tokens to other ids than the served one's, or when its layers cannot drop the
-    proposals the served model rejects."""
+    proposals the served model rejects. ``cost``: its decode step's share of the served
+    model's (None: measured here)."""
     from kvserve.server.engine.draft import DraftProposer, relative_cost
     from kvserve.server.engine.fastpath import apply_rewrites
 
@@ -107,8 +113,10 @@ def load_draft(config: ModelConfig, target, scheme: KVScheme, blas: str,
                              f"drop the proposals the served model rejects")
     device = device or choose_profile(config.resolved_cache_dir())
     apply_rewrites(draft.model, device.rewrites, draft.info.context_length)
-    cost = relative_cost(draft.model, target.model, scheme)
-    log.info("draft model %s: a decode step costs %.2f of the served model's", draft.info.describe(), cost)
+    source = "measured" if cost is None else "engine.draft_cost"
+    cost = relative_cost(draft.model, target.model, scheme) if cost is None else cost
+    log.info("draft model %s: a decode step costs %.2f of the served model's (%s)", draft.info.describe(), cost,
+             source)
     return DraftProposer(draft.model, scheme, cost, vocab=target.info.vocab_size or None)
 
 
