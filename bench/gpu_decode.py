@@ -44,15 +44,30 @@ def build_model(layers: int):
     return model
 
 
-def served_model():
-    """The default model as ``kvserve serve`` loads it on this device (weight format and
-    rewrites of the device profile): the small model whose decode step is bound by the
-    host's kernel launches rather than by bytes."""
+def served_model(rewrites: tuple[str, ...]):
+    """The default model as ``kvserve serve`` loads it on this device (weight format, and
+    the device profile with ``rewrites``): the small model whose decode step is bound by
+    the host's kernel launches rather than by bytes."""
+    from dataclasses import replace
+
     from kvserve.cache import parse_scheme
     from kvserve.configs import ModelConfig
+    from kvserve.server.engine.device import choose_profile
     from kvserve.server.engine.model_loader import load_model
 
-    return load_model(ModelConfig(), parse_scheme("fp16"), "reference").runner.model
+    config = ModelConfig()
+    device = replace(choose_profile(config.resolved_cache_dir()), rewrites=rewrites)
+    return load_model(config, parse_scheme("fp16"), "reference", device=device).runner.model
+
+
+def chosen_rewrites(option: str) -> tuple[str, ...]:
+    """``--rewrites``: "profile" (this device's), "none", or names separated by commas."""
+    if option == "profile":
+        from kvserve.server.engine.device import choose_profile
+        from kvserve.configs import ModelConfig
+
+        return choose_profile(ModelConfig().resolved_cache_dir()).rewrites
+    return () if option == "none" else tuple(option.split(","))
 
 
 def vocab_size(model) -> int:
@@ -207,14 +222,22 @@ def main(argv=None) -> int:
     p.add_argument("--profile", nargs="?", type=int, const=6, default=0, metavar="TOP",
                    help="after each loop, its kernels' device time per step and the TOP kernels "
                         "that take most of it, with their launches per step (CUPTI, needs PyTorch)")
+    p.add_argument("--rewrites", default="profile",
+                   help="model rewrites: 'profile' (the device profile's), 'none', or names with commas")
     args = p.parse_args(argv)
     import mlx.core as mx
+    from kvserve.server.engine.fastpath import apply_rewrites
 
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    model = build_model(args.layers) if args.model == "8b-shape" else served_model()
+    rewrites = chosen_rewrites(args.rewrites)
+    if args.model == "8b-shape":
+        model = build_model(args.layers)
+        apply_rewrites(model, rewrites)
+    else:
+        model = served_model(rewrites)
     shape = f"llama 8B shape, {args.layers} layers, f16" if args.model == "8b-shape" else "the default model"
     print(f"device: {mx.device_info().get('device_name', mx.default_device())}, mlx {mx.__version__}; "
-          f"{shape}, batch {args.batch}, context {args.context}")
+          f"{shape}, batch {args.batch}, context {args.context}, rewrites {', '.join(rewrites) or 'none'}")
     print("| scheme | loop | step ms (median) | output tok/s | K/V GiB |\n|---|---|---|---|---|")
     for scheme in args.schemes.split(","):
         times, kv = engine_steps(model, scheme, args.batch, args.context, args.steps, args.profile)

@@ -11,6 +11,7 @@ import pytest
 from kvserve.cache import parse_scheme
 from kvserve.configs import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from kvserve.server.engine.device import CPU_REWRITES, profile_for
+from kvserve.server.engine.projections import ProjectionPart
 from kvserve.server.engine.fastpath import TableRoPE
 from kvserve.server.engine.loop import Engine
 from kvserve.server.engine.model_loader import load_model, make_loader
@@ -22,16 +23,20 @@ def _ropes(model) -> set[type]:
     return {type(m) for _, m in model.named_modules() if isinstance(m, (nn.RoPE, TableRoPE))}
 
 
-@pytest.mark.parametrize("backend, rope", [("cpu", TableRoPE), ("cuda", nn.RoPE), ("metal", nn.RoPE)])
-def test_each_device_gets_its_own_rewrites(tiny_model_dir, tmp_path, backend, rope):
+@pytest.mark.parametrize("backend, rope, rewrites", [("cpu", TableRoPE, CPU_REWRITES), ("cuda", nn.RoPE, ("fused_projections",)),
+                                                    ("metal", nn.RoPE, ())])
+def test_each_device_gets_its_own_rewrites(tiny_model_dir, tmp_path, backend, rope, rewrites):
     """The CPU's table RoPE (slower on a GPU, where mx.fast.rope is one kernel) is installed
-    only by the CPU profile; a GPU profile keeps the model's own modules."""
+    only by the CPU profile; CUDA's stacks the projections (its steps are bound by kernel
+    launches); Metal keeps the model's own modules."""
     device = profile_for(backend)
     loaded = load_model(ModelConfig(model=str(tiny_model_dir), cache_dir=str(tmp_path), weight_format="as-loaded"),
                         parse_scheme("fp16"), "test", device=device)
     assert _ropes(loaded.runner.model) == {rope}
     assert loaded.device is device
-    assert device.rewrites == (CPU_REWRITES if backend == "cpu" else ())
+    assert device.rewrites == rewrites
+    stacked = any(isinstance(m, ProjectionPart) for _, m in loaded.runner.model.named_modules())
+    assert stacked is (backend == "cuda")
     assert device.warmup is (backend != "cpu")
 
 

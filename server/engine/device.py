@@ -5,7 +5,10 @@ kvserve's CPU speed comes from rewrites of the model made for the CPU (``fastpat
 RoPE from a shared cos/sin table, norms, linears and SwiGLU as one CPU operation each). On
 a GPU MLX's ``mx.fast`` kernels already do that work, and the table RoPE is slower there
 (a served run on an H200 gave TPOT 43 ms without it, 47 with it), so a GPU profile keeps
-the model's own modules. A GPU also compiles kernels at first use (NVRTC on CUDA, the
+the model's own modules but for one rewrite made for the GPU: on CUDA a small model's step
+is bound by the host launching kernels, and ``fused_projections`` computes a layer's q, k
+and v (and its MLP's gate and up) as one matmul each (``projections.py``; Metal keeps the
+model's modules, unmeasured there). A GPU also compiles kernels at first use (NVRTC on CUDA, the
 first call of each fused attention kernel checks itself against the reference): its
 profile warms the engine up before the server says ready, and keeps compiled kernels in
 a directory under the cache dir so a restarted server reuses them.
@@ -15,7 +18,7 @@ a directory under the cache dir so a restarted server reuses them.
     (('table_rope', 'cpu_ops'), False, 'cpu: rewrites table_rope, cpu_ops; no warm-up')
     >>> g = profile_for("cuda", kernel_cache="/c/kernels/mlx-0.32.4/sm_90")
     >>> g.rewrites, g.warmup, g.describe()
-    ((), True, 'cuda: no rewrites; warm-up before ready; kernels kept in /c/kernels/mlx-0.32.4/sm_90')
+    (('fused_projections',), True, 'cuda: rewrites fused_projections; warm-up before ready; kernels kept in /c/kernels/mlx-0.32.4/sm_90')
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 # The MLX CUDA backend reads its compiled-kernel folder from here at its first compile.
 KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 CPU_REWRITES = ("table_rope", "cpu_ops")
+REWRITES = {"cpu": CPU_REWRITES, "cuda": ("fused_projections",), "metal": ()}
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ def profile_for(backend: str, warmup: str = "auto", kernel_cache: str = "") -> D
     ("auto": on where kernels compile at first use, i.e. on a GPU)."""
     on_gpu = backend != "cpu"
     warm = on_gpu if warmup == "auto" else warmup == "on"
-    return DeviceProfile(backend, () if on_gpu else CPU_REWRITES, warm, kernel_cache if on_gpu else "")
+    return DeviceProfile(backend, REWRITES[backend], warm, kernel_cache if on_gpu else "")
 
 
 def choose_profile(cache_dir: Path, warmup: str = "auto") -> DeviceProfile:

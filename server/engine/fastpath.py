@@ -186,13 +186,16 @@ def install_cpu_ops(model: nn.Module) -> int:
 
 
 def apply_rewrites(model: nn.Module, rewrites: tuple[str, ...], context: int = 0) -> dict[str, int]:
-    """Apply the named rewrites (a device profile's ``rewrites``: "table_rope", "cpu_ops")
-    to ``model``; returns how many modules each replaced.
+    """Apply the named rewrites (a device profile's ``rewrites``: "table_rope", "cpu_ops",
+    "fused_projections") to ``model``; returns how many modules (or groups) each replaced.
 
         >>> apply_rewrites(nn.Sequential(nn.RoPE(8)), ())
         {}
     """
-    installers = {"table_rope": lambda: install_table_rope(model, context), "cpu_ops": lambda: install_cpu_ops(model)}
+    from kvserve.server.engine.projections import fuse_projections
+
+    installers = {"table_rope": lambda: install_table_rope(model, context), "cpu_ops": lambda: install_cpu_ops(model),
+                  "fused_projections": lambda: fuse_projections(model)}
     unknown = set(rewrites) - set(installers)
     if unknown:
         raise ValueError(f"unknown rewrites {sorted(unknown)}; known: {sorted(installers)}")
