@@ -18,6 +18,7 @@ unit vectors to bf16/fp16 moves values across quantization boundaries.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -25,7 +26,11 @@ import mlx.core as mx
 import numpy as np
 
 from kvserve.cache.base import apply_mask, grouped_mask
-from kvserve.kernels import cpu_ops
+from kvserve.kernels import cpu_ops, cuda_encode
+
+log = logging.getLogger("kvserve.cache")
+# (dim, bits) -> whether the GPU encoder matched the MLX encoder on its first call.
+_GPU_ENCODER_CHECKED: dict[tuple[int, int], bool] = {}
 
 F32 = mx.float32
 _NORM_EPS = 1e-8  # unit vectors of all-zero rows (padding) stay zero instead of NaN
@@ -271,7 +276,36 @@ class TurboCodec:
             fused = cpu_ops.turbo_encode(x, self.pi, self.boundaries, self.bits, _NORM_EPS)
             if fused is not None:  # the same encoding as one CPU operation (kernels/cpu_ops)
                 return fused
+        if scale is None and not self.norm_corrected and cuda_encode.serves(x, self.pi, self.bits) \
+                and self._gpu_encoder_trusted(x):  # one kernel on an NVIDIA GPU (kernels/cuda_encode)
+            return cuda_encode.turbo_encode(x, self.pi, self.boundaries, self.bits, _NORM_EPS)
         return self.encode_unit(*self.unit_rotated(x), scale)
+
+    def _gpu_encoder_trusted(self, x: mx.array) -> bool:
+        """The GPU encoder's first call for this width and bit count in the process is
+        checked against the MLX operations: equal norms, and indices equal but for a few
+        coordinates within a rounding error of a boundary (one level apart). A kernel
+        that fails serves no later call; the MLX operations do."""
+        key = (self.dim, self.bits)
+        if key not in _GPU_ENCODER_CHECKED:
+            _GPU_ENCODER_CHECKED[key] = self._gpu_encoder_agrees(x)
+        return _GPU_ENCODER_CHECKED[key]
+
+    def _gpu_encoder_agrees(self, x: mx.array) -> bool:
+        try:
+            packed, norms = cuda_encode.turbo_encode(x, self.pi, self.boundaries, self.bits, _NORM_EPS)
+            ref_packed, ref_norms = self.encode_unit(*self.unit_rotated(x))
+            idx, ref = (unpack_indices(p, self.bits, self.dim).astype(mx.int32) for p in (packed, ref_packed))
+            apart = mx.abs(idx - ref)
+            ok = (mx.allclose(norms, ref_norms, rtol=1e-5, atol=1e-6).item() and mx.max(apart).item() <= 1
+                  and mx.sum(apart).item() <= max(1, idx.size // 1000))
+        except Exception as exc:  # noqa: BLE001 (a kernel that does not build serves nothing)
+            log.warning("TurboQuant GPU encoder (D=%d, %d bits) raised on its first call: %s", self.dim, self.bits, exc)
+            return False
+        if not ok:
+            log.warning("TurboQuant GPU encoder (D=%d, %d bits) disagreed with the MLX encoder on its first "
+                        "call; the MLX operations encode instead", self.dim, self.bits)
+        return bool(ok)
 
     def encode_unit(self, y: mx.array, n: mx.array, scale: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """``encode`` from rotated unit directions y (..., d) and norms n (..., 1)."""

@@ -274,3 +274,38 @@ def test_array_masks_never_index_a_broadcast_dim():
     src = cuda_source.MASK_CODE[2]
     for dim in range(4):
         assert f"mask_shape[{dim}] == 1 ? 0" in src
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_the_turbo_encoder_kernel_matches_the_mlx_encoder_on_gpu(D, bits, dtype):
+    """One kernel (``kernels/cuda_encode``) encodes as the MLX operations do: equal norms, and
+    equal indices but for coordinates within a rounding error of a boundary (one level, at
+    most one in a thousand); rows of zeros (padding) encode to zeros."""
+    from kvserve.cache.turbo_codec import _NORM_EPS, get_codec, unpack_indices
+    from kvserve.kernels import cuda_encode
+
+    codec = get_codec(D, bits, 43)
+    x = mx.random.normal((8, 3, 5, D), key=mx.random.key(D + bits)).astype(dtype)
+    x = mx.concatenate([x, mx.zeros((8, 3, 1, D), dtype=dtype)], axis=2)
+    assert cuda_encode.serves(x, codec.pi, bits)
+    packed, norms = cuda_encode.turbo_encode(x, codec.pi, codec.boundaries, bits, _NORM_EPS)
+    ref_packed, ref_norms = codec.encode_unit(*codec.unit_rotated(x))
+    assert packed.shape == ref_packed.shape and packed.dtype == mx.uint32 and norms.shape == ref_norms.shape
+    assert mx.allclose(norms, ref_norms, rtol=1e-5, atol=1e-6).item()
+    apart = mx.abs(unpack_indices(packed, bits, D).astype(mx.int32) - unpack_indices(ref_packed, bits, D).astype(mx.int32))
+    assert mx.max(apart).item() <= 1 and mx.sum(apart).item() <= max(1, apart.size // 1000)
+    assert mx.array_equal(packed[:, :, -1], ref_packed[:, :, -1]).item()
+
+
+def test_the_turbo_encoder_kernel_serves_only_a_cuda_gpu_and_its_shapes():
+    from kvserve.cache.turbo_codec import get_codec
+    from kvserve.kernels import cuda_encode
+
+    codec = get_codec(64, 4, 43)
+    x = mx.zeros((2, 64), dtype=mx.float16)
+    assert cuda_encode.serves(x, codec.pi, 4) is ON_CUDA
+    assert not cuda_encode.serves(mx.zeros((2, 96)), get_codec(96, 4, 43).pi, 4)  # D not 64/128/256
+    assert not cuda_encode.serves(x, codec.pi, 8)

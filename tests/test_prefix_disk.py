@@ -7,9 +7,9 @@ import io
 import json
 import os
 import random
-import signal
-import time
-import warnings
+import pickle
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -178,39 +178,28 @@ def crash_payloads() -> list[dict]:
     return entries
 
 
-def writer_child(root: Path, entries: list[dict], ack_fd: int) -> None:
-    """Write entries in random order until killed; acknowledge each completed write."""
-    rng = random.Random(os.getpid())
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        i = rng.randrange(len(entries))
-        e = entries[i]
-        v = e["variants"][rng.randrange(VARIANTS)]
-        write_entry(root / e["name"], v["md"], v["tensors"])
-        os.write(ack_fd, f"{i}\n".encode())
+class KillingWriters:
+    """``tests/kill_writers.py`` in its own process: each ``round(delay)`` forks a writer of
+    random entries, SIGKILLs it after ``delay`` seconds, and returns the entries it
+    acknowledged (forking there is cheap; here it copies the whole suite's page tables)."""
 
+    def __init__(self, root: Path, entries: list[dict], tmp: Path):
+        payload = tmp / "entries.pickle"
+        payload.write_bytes(pickle.dumps([(e["name"], [(v["md"], v["tensors"]) for v in e["variants"]])
+                                          for e in entries]))
+        script = Path(__file__).with_name("kill_writers.py")
+        self.proc = subprocess.Popen([sys.executable, str(script), str(root), str(payload)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline() == "ready\n"
 
-def kill_round(root: Path, entries: list[dict], rng: random.Random) -> set[int]:
-    """Fork a writer, SIGKILL it after a random 0-6 ms; returns the acknowledged entries."""
-    r, w = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: the child uses none
-        pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            writer_child(root, entries, w)
-        finally:
-            os._exit(0)
-    os.close(w)
-    time.sleep(rng.uniform(0, 0.006))
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    acked = b""
-    while chunk := os.read(r, 65536):
-        acked += chunk
-    os.close(r)
-    return {int(x) for x in acked.split()}
+    def round(self, delay: float) -> set[int]:
+        self.proc.stdin.write(f"{delay}\n")
+        self.proc.stdin.flush()
+        return {int(x) for x in self.proc.stdout.readline().split()}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0
 
 
 def check_files(root: Path, entries: list[dict]) -> set[str]:
@@ -251,8 +240,9 @@ def test_writers_killed_at_1000_random_points_leave_no_file_that_loads_wrong(tmp
     rng = random.Random(2024)
     rounds_with_leftovers = 0
     acked_total = 0
+    writers = KillingWriters(root, entries, tmp_path)
     for k in range(1000):
-        acked = kill_round(root, entries, rng)
+        acked = writers.round(rng.uniform(0, 0.006))  # killed 0-6 ms after the fork
         acked_total += len(acked)
         leftovers = [p for p in root.iterdir() if p.name.endswith(".tmp")]
         rounds_with_leftovers += bool(leftovers)
@@ -264,6 +254,7 @@ def test_writers_killed_at_1000_random_points_leave_no_file_that_loads_wrong(tmp
                 p.unlink()
         present = check_files(root, entries)
         assert {entries[i]["name"] for i in acked} <= present  # acknowledged writes survive
+    writers.close()
     # Kills landed inside writes (a temporary file was left) and between them (writes were
     # acknowledged): on a 2-core VM about half the rounds leave a temporary file.
     assert rounds_with_leftovers > 0 and acked_total > 0
