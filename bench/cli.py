@@ -48,6 +48,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--document-tokens", type=int, default=0,
+                   help="long contexts: every request asks its own question about one shared document of "
+                        "about this many tokens, which the warm-up puts in the prompt cache (replaces "
+                        "--prompt-tokens)")
     p.add_argument("--baseline", help="label of the target the ratios refer to (default: the last)")
     p.add_argument("--overhead", action="store_true", help="measure kvserve's overhead over the model step")
     p.add_argument("--completions", action="store_true",
@@ -55,7 +59,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "directory without a chat template: a base model)")
     p.add_argument("--out", help="write OUT.md and OUT.png")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.warm_prompt = "Say hello."
+    return args
 
 
 def make_prompts(n: int, tokens: int, count: Callable[[str], int] | None = None) -> list[str]:
@@ -73,6 +79,34 @@ def make_prompts(n: int, tokens: int, count: Callable[[str], int] | None = None)
         per = max(8, int(per * tokens / count(" ".join(words[:per]))))
     return [f"Summarize this passage in a few sentences:\n{' '.join(words[i * per:(i + 1) * per])}"
             for i in range(n)]
+
+
+def document_prompts(n: int, tokens: int, count: Callable[[str], int] | None = None) -> tuple[list[str], str]:
+    """``n`` chats over one shared document of about ``tokens`` tokens (RAG, code review, a
+    long system prompt), each asking its own question, and one more prompt over the same
+    document for the warm-up, which puts the document in the server's prompt cache: the
+    measured requests then prefill only their question and decode over the long context.
+    The document repeats the shipped text as often as it takes.
+
+        >>> one_per_word = lambda text: len(text.split())
+        >>> prompts, warm = document_prompts(2, 50, one_per_word)
+        >>> [p.split("Question ")[1] for p in prompts]
+        ['1: which words of the document come right after its 1st sentence?', \
+'2: which words of the document come right after its 2nd sentence?']
+        >>> len({p.split("Question ")[0] for p in [*prompts, warm]}), warm.split("Question ")[1][:2]
+        (1, '0:')
+    """
+    words = _TEXT.read_text().split()
+    per = max(8, int(tokens * 0.72))
+    if count is not None:
+        per = max(8, int(per * tokens / count(" ".join((words * (per // len(words) + 1))[:per]))))
+    document = " ".join((words * (per // len(words) + 1))[:per])
+
+    def ask(i: int) -> str:
+        nth = {1: "st", 2: "nd", 3: "rd"}.get(i % 10 if i % 100 not in (11, 12, 13) else 0, "th")
+        return f"{document}\n\nQuestion {i}: which words of the document come right after its {i}{nth} sentence?"
+
+    return [ask(i + 1) for i in range(n)], ask(0)
 
 
 def tokenizer_counter(model_dir: Path) -> Callable[[str], int]:
@@ -93,26 +127,37 @@ def server_counter(url: str, model: str) -> Callable[[str], int]:
     return count
 
 
+def sized_prompts(args, count: Callable[[str], int] | None) -> list[str]:
+    """The measured prompts: distinct passages, or with ``--document-tokens`` questions over
+    one shared document (the warm-up's prompt goes to ``args.warm_prompt``)."""
+    if args.document_tokens:
+        prompts, args.warm_prompt = document_prompts(args.requests, args.document_tokens, count)
+        return prompts
+    return make_prompts(args.requests, args.prompt_tokens, count)
+
+
 def url_prompts(args) -> list[str]:
     """Prompts for ``--url``: sized by the model directory's tokenizer when ``--model`` is
     one, else by the server's own count; by the rule of thumb where the server cannot count."""
     if args.model and Path(args.model).is_dir():
-        return make_prompts(args.requests, args.prompt_tokens, tokenizer_counter(Path(args.model)))
+        return sized_prompts(args, tokenizer_counter(Path(args.model)))
     try:
         count = server_counter(args.url, args.model or "default")
-        prompts = make_prompts(args.requests, args.prompt_tokens, count)
+        prompts = sized_prompts(args, count)
         print("bench: prompt sizes counted by the server", file=sys.stderr, flush=True)
         return prompts
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
         print(f"bench: the server could not count tokens ({exc}); prompt sizes are estimated",
               file=sys.stderr, flush=True)
-        return make_prompts(args.requests, args.prompt_tokens)
+        return sized_prompts(args, None)
 
 
-def warm_up(base_url: str, model: str, chat: bool) -> None:
+def warm_up(base_url: str, model: str, chat: bool, prompt: str = "Say hello.") -> None:
     """One request with a prompt outside the measured set, so that no server may answer
-    from it later, and first-call costs (compiling, self-checks) stay out of the figures."""
-    run_load(base_url, chat_bodies(model, ["Say hello."], 8, chat), 1)
+    from it later, and first-call costs (compiling, self-checks) stay out of the figures.
+    With ``--document-tokens`` the prompt is the shared document with a question of its own:
+    the document is then in the server's prompt cache, as it would be in a RAG service."""
+    run_load(base_url, chat_bodies(model, [prompt], 8, chat), 1)
 
 
 def has_chat_template(model_dir: Path) -> bool:
@@ -158,7 +203,7 @@ def bench_target(target: Target, model_dir: Path, args, prompts: list[str], llam
     print(f"bench: starting {target.label}", file=sys.stderr, flush=True)
     running = Running(target, model_dir, llama=llama)
     try:
-        warm_up(running.base_url, running.model_name, args.chat)
+        warm_up(running.base_url, running.model_name, args.chat, args.warm_prompt)
         result = run_load(running.base_url,
                           chat_bodies(running.model_name, prompts, args.max_tokens, args.chat),
                           args.concurrency)
@@ -222,7 +267,9 @@ def render(rows: list[dict], args, model: str, argv: list[str], chart: str | Non
     lines = [f"# Concurrent streams: {args.concurrency} streams, {args.requests} requests", "",
              f"- date: {datetime.date.today().isoformat()}", f"- machine: {machine()}",
              f"- mlx {version('mlx')}, mlx-lm {version('mlx-lm')}", f"- model: `{model}`",
-             f"- prompts of about {args.prompt_tokens} tokens (all different), up to "
+             (f"- one shared document of about {args.document_tokens} tokens (in the prompt cache from the "
+              "warm-up), each request asking its own question about it, up to " if args.document_tokens else
+              f"- prompts of about {args.prompt_tokens} tokens (all different), up to ")
              f"{args.max_tokens} output tokens, greedy, streamed, through "
              f"`{'/v1/chat/completions' if args.chat else '/v1/completions'}`",
              f"- command: `kvserve bench {shlex.join(argv)}`", "",
@@ -251,7 +298,7 @@ def main(argv: list[str]) -> int:
     if args.url:
         prompts = url_prompts(args)
         args.chat = not args.completions
-        warm_up(args.url, args.model or "default", args.chat)
+        warm_up(args.url, args.model or "default", args.chat, args.warm_prompt)
         result = run_load(args.url, chat_bodies(args.model or "default", prompts, args.max_tokens,
                                                 args.chat), args.concurrency)
         rows = [{"label": args.url, **result.summary()}]
@@ -263,7 +310,7 @@ def main(argv: list[str]) -> int:
         targets = [Target.parse(t) for t in args.target]
         model_dir = Path(args.model) if args.model else default_model_dir()
         args.chat = not args.completions and has_chat_template(model_dir)
-        prompts = make_prompts(args.requests, args.prompt_tokens, tokenizer_counter(model_dir))
+        prompts = sized_prompts(args, tokenizer_counter(model_dir))
         llama = llama_server(args, model_dir, targets)
         rows = [bench_target(t, model_dir, args, prompts, llama) for t in targets]
         if args.overhead:

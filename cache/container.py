@@ -101,7 +101,7 @@ class PromptCache(Sequence):
 
         def factory(i: int, n: int):
             if start_fp16:
-                return _fp16.FP16KVCache()
+                return _fp16.FP16KVCache(_fp16.RAW_PHASE)
             return make_layer_cache(scheme, layer_index=i, num_layers=n)
 
         return cls(layer_caches(model, factory, scheme), scheme, quantize_after)

@@ -1,7 +1,9 @@
-"""The fp16 family: keys and values stored as given, in the model's activation dtype.
+"""The fp16 family: keys and values stored as 16-bit floats: in the model's activation dtype
+where that is float16 or bfloat16 (a GPU), as float16 where the model computes in float32
+(the CPU), so the scheme stores what its name says on every device.
 
 Parts per token: ``[keys (B, H_kv, T, D), values (B, H_kv, T, D_v)]``, so K+V cost
-2 * H_kv * D * itemsize bytes per token (512 B per KV head at D = 128 in fp16).
+2 * H_kv * D * 2 bytes per token (512 B per KV head at D = 128).
 Attention is ``mx.fast.scaled_dot_product_attention``, which maps grouped query heads to
 KV heads itself and accepts mlx-lm's masks unchanged, except for short queries (decode and
 verify steps, L <= 16) on a GPU, and every call on the CPU:
@@ -17,6 +19,7 @@ verify steps, L <= 16) on a GPU, and every call on the CPU:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -27,6 +30,11 @@ from kvserve.cache.registry import register
 from kvserve.cache.scheme import KVScheme, parse_scheme
 
 FP16_SCHEME = parse_scheme("fp16")
+# The raw prefill of a quantized scheme (``PromptCache.for_model`` with ``quantize_after``):
+# K/V kept as computed, so the prompt attends to itself exactly and its conversion to the
+# scheme quantizes the values a cache of that scheme would have quantized directly.
+RAW_PHASE = replace(FP16_SCHEME, keys=replace(FP16_SCHEME.keys, mode="as-computed"),
+                    values=replace(FP16_SCHEME.values, mode="as-computed"))
 # Queries per call up to which a masked call runs ``attend_grouped``: its scores are
 # (B, H_q, L, T) f32, small for decoding, not for a prefill chunk.
 GROUPED_MAX_L = 16
@@ -66,6 +74,15 @@ def attend_grouped(queries: mx.array, keys: mx.array, values: mx.array, scale: f
     return out.swapaxes(-1, -2).reshape(B, Hq, L, values.shape[-1])
 
 
+def as_16_bit(x: mx.array) -> mx.array:
+    """float32 K/V as float16; 16-bit ones as they are.
+
+        >>> as_16_bit(mx.ones((1, 2), dtype=mx.float32)).dtype, as_16_bit(mx.ones((1,), dtype=mx.bfloat16)).dtype
+        (mlx.core.float16, mlx.core.bfloat16)
+    """
+    return x.astype(mx.float16) if x.dtype == mx.float32 else x
+
+
 class FP16Codec:
     """Identity encoding; shared by the per-request and batch classes."""
 
@@ -77,7 +94,9 @@ class FP16Codec:
         return 2
 
     def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
-        return [keys, values]
+        if self.scheme.keys.mode == "as-computed":  # RAW_PHASE
+            return [keys, values]
+        return [as_16_bit(keys), as_16_bit(values)]
 
     def present(self, parts: list[mx.array]) -> tuple[mx.array, mx.array]:
         return parts[0], parts[1]  # (B, H_kv, S, D), (B, H_kv, S, D_v)
@@ -110,6 +129,9 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
     if (isinstance(mask, mx.array) and queries.shape[2] <= GROUPED_MAX_L and sinks is None
             and mx.default_device().type == mx.gpu):
         return attend_grouped(queries, keys, values, scale, mask)
+    # MLX's SDPA takes K/V in the queries' dtype: float32 queries over 16-bit K/V (a model
+    # computing in float32) read them widened.
+    keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -63,6 +63,34 @@ v16u widen16(const uint8_t* c) {
   return u;
 }
 
+// 16 half-precision floats (IEEE float16 or bfloat16 bits) as 16 floats. float16 goes
+// through the conversion instructions (AVX-512F, F16C); bfloat16 is the upper half of a
+// float32, so a shift does it; elsewhere one element at a time.
+v16f widen_f16(const uint16_t* h) {
+  v16f f;
+#if defined(__AVX512F__)
+  __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  std::memcpy(&f, &w, sizeof f);
+#elif defined(__F16C__)
+  __m256 w[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))),
+                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)))};
+  std::memcpy(&f, w, sizeof f);
+#else
+  for (int i = 0; i < 16; i++) f[i] = static_cast<float>(reinterpret_cast<const mx::float16_t*>(h)[i]);
+#endif
+  return f;
+}
+
+v16f widen_bf16(const uint16_t* h) {
+  typedef uint16_t v16h __attribute__((vector_size(32)));
+  v16h b;
+  std::memcpy(&b, h, sizeof b);
+  v16u u = __builtin_convertvector(b, v16u) << 16;
+  v16f f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // exp for x <= 0 (softmax after the max is taken off); at or below -87 it is exactly 0, so
 // hidden slots get probability 0 and their V is never read.
 v16f exp_neg(v16f x) { return x <= -87.0f ? splat(0.0f) : exp_clamped(x); }
@@ -96,8 +124,15 @@ void dequant_token(const Component& c, int b, int h, int t, float* out) {
   const uint8_t* p = c.data + b * c.data_stride[0] + h * c.data_stride[1] + t * c.data_stride[2];
   int64_t so = b * c.scale_stride[0] + h * c.scale_stride[1] + t * c.scale_stride[2];
   if (c.kind == RAW) {
-    if (c.dtype == F32) std::memcpy(out, p, c.dim * sizeof(float));
-    else for (int d = 0; d < c.dim; d++) out[d] = element(p, c.dtype, d);
+    if (c.dtype == F32) {
+      std::memcpy(out, p, c.dim * sizeof(float));
+      return;
+    }
+    // fp16 caches store 16-bit floats: 16 at a time, the rest (D not a multiple of 16) one by one.
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+    int d = 0;
+    for (; d + 16 <= c.dim; d += 16) store(out + d, c.dtype == F16 ? widen_f16(h + d) : widen_bf16(h + d));
+    for (; d < c.dim; d++) out[d] = element(p, c.dtype, d);
     return;
   }
   if (c.kind == AFFINE) {

@@ -171,3 +171,18 @@ def test_every_format_it_reads_equals_the_full_path(name, combo):
     want = attend_full(q, kf, kp, vf, vp, D ** -0.5, mask, key_scale, sinks)
     scale = max(1.0, mx.max(mx.abs(want.astype(mx.float32))).item())
     assert mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item() <= TOL[dtype] * scale
+
+
+@pytest.mark.parametrize("store", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("D, L, mask_kind", [(64, 1, "padded"), (128, 4, "causal"), (80, 1, "none"), (64, 40, "padded")])
+def test_16_bit_raw_kv_under_float32_queries(store, D, L, mask_kind):
+    """An fp16 cache on the CPU: float32 queries over K/V stored as 16-bit floats, read 16 at
+    a time (D = 80: five of them; every mask kind), equal the reference over the same K/V
+    widened to float32."""
+    B, H_kv, R, T = 3, 2, 3, 70
+    q = _rand((B, H_kv * R, L, D), 7)
+    k, v = _rand((B, H_kv, T, D), 8).astype(store), _rand((B, H_kv, T, D), 9).astype(store)
+    fmt, mask = RawFormat(D), _mask(mask_kind, B, L, T)
+    got = cpu_attention.attend_cpu(q, fmt, (k,), fmt, (v,), D ** -0.5, mask)
+    want = attend_full(q, fmt, (k.astype(mx.float32),), fmt, (v.astype(mx.float32),), D ** -0.5, mask)
+    assert got.dtype == mx.float32 and mx.max(mx.abs(got - want)).item() <= 1e-5

@@ -33,24 +33,24 @@ def test_default_budget_is_a_quarter_of_memory():
 
 
 def test_token_bytes_follow_each_scheme():
-    """2 layers x 2 KV heads x head_dim 64, float32 activations: fp16 holds float32 (512 B
-    per head for K and V), affine4 32 B of nibbles + a float32 scale and bias per group of
+    """2 layers x 2 KV heads x head_dim 64, float32 activations: fp16 holds 16-bit floats
+    (256 B per head for K and V: 2 x layers x KV heads x head_dim x 2), affine4 32 B of nibbles + a float32 scale and bias per group of
     64 (40 B), turbo0v4 raw keys (256 B) and 4-bit values with a float32 norm (36 B)."""
     model = random_llama(1)
-    per_head = {"fp16": 2 * 256, "affine4": 2 * 40, "affine8": 2 * 72, "turbo0v4": 256 + 36}
+    per_head = {"fp16": 2 * 128, "affine4": 2 * 40, "affine8": 2 * 72, "turbo0v4": 256 + 36}
     for name, b in per_head.items():
         assert token_bytes(model, parse_scheme(name)) == 2 * 2 * b, name
 
 
 def test_sliding_and_recurrent_layers_count_what_they_store():
-    """(tests/archs.py: 2 KV heads of 64, so 1,024 fp16-as-float32 bytes per layer and token.)
+    """(tests/archs.py: 2 KV heads of 64, so 512 fp16 bytes per layer and token.)
     Qwen3-Next and Qwen3.5: recurrent layers hold a state of fixed size, so only the
     full-attention layers count (2 of 4, 1 of 4). Gemma 3: its sliding layers (window 16)
     count in full, as they store a whole prompt chunk while it is prefilled: the budget is
     conservative for them once decoding runs past the window."""
     expected = {"qwen3_next": 2, "qwen3_5": 1, "gemma3_text": 4, "llama": 2}
     for arch, layers in expected.items():
-        assert token_bytes(build_model(arch), parse_scheme("fp16")) == layers * 1024, arch
+        assert token_bytes(build_model(arch), parse_scheme("fp16")) == layers * 512, arch
 
 
 PROMPTS = [f"Write two sentences about the number {n} and what it means to people." for n in (3, 7, 12, 40)]
