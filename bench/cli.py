@@ -264,13 +264,13 @@ def render(rows: list[dict], args, model: str, argv: list[str], chart: str | Non
     from importlib.metadata import version
 
     baseline = args.baseline or rows[-1]["label"]
+    prompts = (f"one shared document of about {args.document_tokens} tokens (in the prompt cache from the "
+               "warm-up), each request asking its own question about it" if args.document_tokens
+               else f"prompts of about {args.prompt_tokens} tokens (all different)")
     lines = [f"# Concurrent streams: {args.concurrency} streams, {args.requests} requests", "",
              f"- date: {datetime.date.today().isoformat()}", f"- machine: {machine()}",
              f"- mlx {version('mlx')}, mlx-lm {version('mlx-lm')}", f"- model: `{model}`",
-             (f"- one shared document of about {args.document_tokens} tokens (in the prompt cache from the "
-              "warm-up), each request asking its own question about it, up to " if args.document_tokens else
-              f"- prompts of about {args.prompt_tokens} tokens (all different), up to ")
-             f"{args.max_tokens} output tokens, greedy, streamed, through "
+             f"- {prompts}, up to {args.max_tokens} output tokens, greedy, streamed, through "
              f"`{'/v1/chat/completions' if args.chat else '/v1/completions'}`",
              f"- command: `kvserve bench {shlex.join(argv)}`", "",
              markdown_table(rows, baseline), "",

@@ -148,6 +148,12 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
 # parser cut the connection first with a plain reply or a reset), so the parser only stops
 # heads far past the limit (and slow drips of them).
 PARSER_HEAD_FACTOR = 16
+# Seconds an idle keep-alive connection stays open. Longer than the idle expiry of client
+# pools (httpx, and so the OpenAI and Anthropic clients, drop theirs after 5 s; proxies after
+# 60): with uvicorn's default of 5 s a client could send on a pooled connection just as the
+# server closed it, and that request failed with "Server disconnected without sending a
+# response" (seen under load in the test suite).
+KEEP_ALIVE_S = 65
 
 
 # How long the process waits, after the HTTP server stopped, for the engine to finish and
@@ -227,6 +233,7 @@ def _http_server(config: ServerConfig, engine, gate, responses):
 
     uv_config = uvicorn.Config(create_app(engine, config.http, gate, responses), host=config.http.host,
                                port=config.http.port, log_level=config.http.log_level,
+                               timeout_keep_alive=KEEP_ALIVE_S,
                                h11_max_incomplete_event_size=PARSER_HEAD_FACTOR * config.http.max_header_bytes)
     return _draining_server(uvicorn.Server)(uv_config, engine, gate, config.http.drain_timeout_s)
 

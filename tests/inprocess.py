@@ -84,7 +84,7 @@ class InProcessServer:
         try:
             http = config.http
             uv_config = uvicorn.Config(create_app(engine, http, Gate()), host=http.host, port=http.port,
-                                       log_level=http.log_level,
+                                       log_level=http.log_level, timeout_keep_alive=cli.KEEP_ALIVE_S,
                                        h11_max_incomplete_event_size=cli.PARSER_HEAD_FACTOR * http.max_header_bytes,
                                        log_config=None)  # this process's logging stays as it is
             self._server = Server(uv_config)

@@ -108,17 +108,43 @@ def test_a_forced_tool_always_gives_input_that_validates(client, stream, count):
         check_call(message)
 
 
-def test_a_streamed_tool_call_is_one_tool_use_block_with_its_input_in_one_delta(server):
-    body = {"model": "default", "max_tokens": 120, "messages": ASK, "tools": TOOLS, "tool_choice": FORCE,
-            "stream": True}
-    kinds, data = sse_kinds(server, body)
-    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]
-    block, delta = data[1]["content_block"], data[2]["delta"]
+def test_a_streamed_tool_call_streams_its_input_as_it_is_written(server, client):
+    """The ``tool_use`` block starts (``input: {}``) once the name is complete and the input
+    has begun, then ``input_json_delta`` pieces as the model writes them; joined, they parse
+    to the input of the unstreamed message for the same greedy request, as the official
+    client's stream assembles it."""
+    kwargs = dict(model="default", max_tokens=120, messages=ASK, tools=TOOLS, tool_choice=FORCE)
+    whole = client.messages.create(**kwargs, **GREEDY)
+    kinds, data = sse_kinds(server, {**kwargs, "temperature": 0, "stream": True})
+    deltas = kinds.count("content_block_delta")
+    assert deltas >= 6 and kinds == ["message_start", "content_block_start", *["content_block_delta"] * deltas,
+                                     "content_block_stop", "message_delta", "message_stop"]
+    block = data[1]["content_block"]
     assert block["type"] == "tool_use" and block["input"] == {} and block["name"] == "get_weather"
-    assert delta["type"] == "input_json_delta"
-    jsonschema.validate(json.loads(delta["partial_json"]), WEATHER)
-    assert data[-2]["delta"]["stop_reason"] == "tool_use"
+    assert {d["delta"]["type"] for d in data[2:-3]} == {"input_json_delta"}
+    streamed = json.loads("".join(d["delta"]["partial_json"] for d in data[2:-3]))
+    assert streamed == whole.content[0].input and data[-2]["delta"]["stop_reason"] == whole.stop_reason == "tool_use"
+    with client.messages.stream(**kwargs, **GREEDY) as stream:
+        assert stream.get_final_message().content[0].input == whole.content[0].input
+
+
+def test_a_streamed_tool_call_cut_by_max_tokens_ends_as_text(server, client):
+    """Cut inside its input: the ``tool_use`` block stops where the input stopped, the call's
+    text follows as a text block (the text of the unstreamed message), and the stop reason is
+    ``max_tokens``."""
+    kwargs = dict(model="default", messages=ASK, tools=TOOLS, tool_choice=FORCE)
+    tokens = client.messages.create(**kwargs, max_tokens=120, **GREEDY).usage.output_tokens
+    whole = client.messages.create(**kwargs, max_tokens=tokens // 2, **GREEDY)
+    (text,) = whole.content
+    assert whole.stop_reason == "max_tokens" and '"arguments": {"' in text.text  # cut inside the input
+    kinds, data = sse_kinds(server, {**kwargs, "max_tokens": tokens // 2, "temperature": 0, "stream": True})
+    deltas = kinds.count("content_block_delta") - 1
+    assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * deltas, "content_block_stop",
+                     "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+                     "message_stop"]
+    assert data[1]["content_block"]["type"] == "tool_use" and data[-4]["delta"] == {"type": "text_delta",
+                                                                                    "text": text.text}
+    assert data[-2]["delta"]["stop_reason"] == "max_tokens"
 
 
 def test_a_tool_result_round_trip_is_answered_and_reuses_the_cached_turn(client):

@@ -167,11 +167,13 @@ def test_a_streamed_function_call_assembles_in_the_stream_helper(client, server)
     whole = forced_call(client, temperature=0).output[0]
     events = raw_events(server, instructions=SYSTEM, input=ASK, tools=TOOLS, tool_choice=FORCE_WEATHER,
                         parallel_tool_calls=False, max_output_tokens=120, temperature=0)
-    assert [e["type"] for e in events] == ["response.created", "response.in_progress", *CALL_ITEM,
-                                           "response.completed"]
-    added, done = events[2]["item"], events[5]["item"]
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) >= 6 and [e["type"] for e in events] == [  # the arguments stream as they are written
+        "response.created", "response.in_progress", CALL_ITEM[0], *[CALL_ITEM[1]] * len(deltas), *CALL_ITEM[2:],
+        "response.completed"]
+    added, done = events[2]["item"], events[-2]["item"]
     assert (added["arguments"], added["status"], done["status"]) == ("", "in_progress", "completed")
-    assert events[3]["delta"] == events[4]["arguments"] == done["arguments"] == whole.arguments
+    assert "".join(deltas) == events[-3]["arguments"] == done["arguments"] == whole.arguments
     for temperature in (0, 1.0):
         with client.responses.stream(model="default", instructions=SYSTEM, input=ASK, tools=TOOLS,
                                      tool_choice=FORCE_WEATHER, parallel_tool_calls=False, max_output_tokens=120,
@@ -182,6 +184,21 @@ def test_a_streamed_function_call_assembles_in_the_stream_helper(client, server)
         jsonschema.validate(call.parsed_arguments, WEATHER_PARAMS)
         if temperature == 0:
             assert call.arguments == whole.arguments
+
+
+def test_a_streamed_function_call_cut_short_ends_incomplete_and_its_text_is_a_message(client, server):
+    """Cut inside its arguments: the call's item ends ``incomplete`` with what was streamed,
+    and the call's text follows as a message, the one the unstreamed response has."""
+    ask = dict(instructions=SYSTEM, input=ASK, tools=TOOLS, tool_choice=FORCE_WEATHER, parallel_tool_calls=False,
+               temperature=0)
+    tokens = client.responses.create(model="default", **ask, max_output_tokens=120).usage.output_tokens
+    whole = client.responses.create(model="default", **ask, max_output_tokens=tokens // 2)
+    assert whole.status == "incomplete" and '"arguments": {"' in whole.output_text  # cut inside them
+    events = raw_events(server, **ask, max_output_tokens=tokens // 2)
+    assert events[-1]["type"] == "response.incomplete"
+    call, message = events[-1]["response"]["output"]
+    assert (call["type"], call["status"], message["status"]) == ("function_call", "incomplete", "incomplete")
+    assert message["content"][0]["text"] == whole.output_text and call["arguments"] in whole.output_text
 
 
 def test_a_function_call_output_round_trip_is_answered(client):

@@ -97,6 +97,48 @@ def test_a_streamed_tool_call_assembles_in_the_client_as_the_whole_reply(client)
     assert not streamed.message.content
 
 
+GREEDY_CALL = dict(model="default", messages=ASK, tools=TOOLS, tool_choice=FORCE_WEATHER, temperature=0,
+                   parallel_tool_calls=False)
+
+
+def test_a_streamed_call_sends_its_name_then_its_arguments_as_they_are_written(client):
+    """OpenAI's shape: a first ``tool_calls`` delta with index, id, type, name and empty
+    arguments, then argument pieces as the model writes them (one per token here, not the
+    whole at the end), then the finish. Joined, the pieces are the unstreamed reply's
+    arguments for the same greedy request."""
+    whole = client.chat.completions.create(**GREEDY_CALL, max_tokens=120).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**GREEDY_CALL, max_tokens=120, stream=True)]
+    assert chunks[0].delta.role == "assistant" and not chunks[0].delta.tool_calls
+    assert (chunks[-1].finish_reason, chunks[-1].delta.tool_calls) == ("tool_calls", None)
+    deltas = [c.delta.tool_calls for c in chunks[1:-1]]
+    assert all(len(d) == 1 for d in deltas) and not any(c.delta.content for c in chunks)
+    (first,), pieces = deltas[0], [d[0] for d in deltas[1:]]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == \
+        (0, "function", "get_weather", "")
+    assert first.id.startswith("call_")
+    assert all((p.index, p.id, p.type, p.function.name) == (0, None, None, None) for p in pieces)
+    arguments = whole.message.tool_calls[0].function.arguments
+    assert "".join(p.function.arguments for p in pieces) == arguments
+    assert len(pieces) >= len(json.loads(arguments)) * 3  # each key and value as it came
+
+
+def test_a_streamed_call_cut_by_max_tokens_ends_as_content_and_length(client):
+    """Cut inside its arguments: what was sent of the call cannot be taken back, so it stays
+    in ``tool_calls``, but the call's text follows as content (the content the unstreamed
+    reply has) and the finish is ``length``, not ``tool_calls``."""
+    tokens = client.chat.completions.create(**GREEDY_CALL, max_tokens=120).usage.completion_tokens
+    whole = client.chat.completions.create(**GREEDY_CALL, max_tokens=tokens // 2).choices[0]
+    assert whole.finish_reason == "length" and '"arguments": {"' in whole.message.content  # cut inside them
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(**GREEDY_CALL, max_tokens=tokens // 2, stream=True):
+        state.handle_chunk(chunk)
+    streamed = state.current_completion_snapshot.choices[0]  # the final one raises at "length"
+    assert streamed.finish_reason == "length" and streamed.message.content == whole.message.content
+    (call,) = streamed.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    assert call.function.arguments in whole.message.content
+
+
 def test_rows_without_a_grammar_decode_as_alone_beside_constrained_rows(client):
     def free(topic):
         return client.chat.completions.create(model="default", messages=[{"role": "user", "content": topic}],

@@ -46,7 +46,7 @@ class ChatInput:
 class PreparedChat:
     tokens: list[int]
     grammar: Grammar | None
-    splitter: Callable[[], ReplySplitter] | None
+    splitter: Callable[..., ReplySplitter] | None  # stream_calls=True: calls streamed as written
     tool_format: ToolFormat
     boundaries: tuple[int, ...] = ()  # where messages end in ``tokens`` (prefix-cache checkpoints)
     think_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # reasoning markers' token ids
@@ -71,18 +71,19 @@ def prepare_chat(chat: ChatInput, tokenizer: Any, param: str = "messages", bound
     except TemplateError as exc:
         raise APIError(400, str(exc), param=param) from None
     ends = message_ends(tokenizer, chat.messages, chat.tools, fmt, tokens, **chat.template_kwargs) if boundaries else ()
+    think = _think_markers(tokenizer) or fmt.think
+    thinking = think is not None and _opens_thinking(tokenizer, tokens, think[0])
     try:
-        grammar = tool_call_grammar(fmt, chat.tools or [], chat.tool_choice, chat.parallel_tool_calls) \
-            if chat.wants_calls else None
+        # A forced call closes the reasoning block the prompt opened: inside it, it is reasoning.
+        grammar = tool_call_grammar(fmt, chat.tools or [], chat.tool_choice, chat.parallel_tool_calls,
+                                    tokenizer, think[1] if thinking else "") if chat.wants_calls else None
         grammar = grammar or response_format_grammar(chat.response_format)
     except StructureError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     except GrammarError as exc:
         raise APIError(400, str(exc), param="response_format") from None
-    think = _think_markers(tokenizer) or fmt.think
-    splitter, thinking = None, False
+    splitter = None
     if chat.wants_calls or think:
-        thinking = think is not None and _opens_thinking(tokenizer, tokens, think[0])
         splitter = partial(ReplySplitter, fmt if chat.wants_calls else None, chat.tools, think, thinking)
     return PreparedChat(tokens, grammar, splitter, fmt, ends, _think_ids(tokenizer, think), thinking)
 

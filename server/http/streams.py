@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import AsyncIterator, Callable
 
-from kvserve.server.http.tools import Call, Piece, ReplySplitter, Text
+from kvserve.server.http.tools import Call, CallArgs, CallStart, Piece, ReplySplitter, Text
 
 from fastapi import Request as HTTPRequest
 
@@ -121,7 +121,7 @@ class Shape:
     model: str
     id_prefix: str
     logprobs: LogprobFormat | None = None
-    splitter: Callable[[], ReplySplitter] | None = None  # chat replies with tool calls or reasoning
+    splitter: Callable[..., ReplySplitter] | None = None  # chat replies with tool calls or reasoning
 
     @property
     def object(self) -> str:
@@ -183,9 +183,26 @@ def _choice(shape: Shape, index: int, text: str, reason: FinishReason | None, lo
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason_json(reason)}
 
 
-def _piece_delta(piece: Piece, calls: int) -> dict:
+def _piece_delta(piece: Piece) -> dict | None:
+    """A piece as a chat delta. A streamed call goes as OpenAI streams one: a first delta with
+    its id, name and empty arguments, then argument pieces, which clients join; its ``Call``
+    and a ``CallCut`` add nothing (a cut call's text follows as content).
+
+    >>> _piece_delta(CallStart("f", "call_1", 0))["tool_calls"]
+    [{'index': 0, 'id': 'call_1', 'type': 'function', 'function': {'name': 'f', 'arguments': ''}}]
+    >>> _piece_delta(CallArgs("call_1", '{"x', 0))
+    {'tool_calls': [{'index': 0, 'function': {'arguments': '{"x'}}]}
+    """
+    if isinstance(piece, CallStart):
+        call = {"index": piece.index, "id": piece.id, "type": "function",
+                "function": {"name": piece.name, "arguments": ""}}
+        return {"tool_calls": [call]}
+    if isinstance(piece, CallArgs):
+        return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
     if isinstance(piece, Call):
-        return {"tool_calls": [tool_call_json(piece, calls)]}
+        return None if piece.streamed else {"tool_calls": [tool_call_json(piece, piece.index)]}
+    if not isinstance(piece, Text):  # CallCut
+        return None
     return {"reasoning_content": piece.text} if piece.reasoning else {"content": piece.text}
 
 
@@ -199,16 +216,13 @@ def _delta(shape: Shape, index: int, text: str, reason: str | None, first: bool 
 
 def _split_chunks(splitter: ReplySplitter, index: int, event: TokenEvent, logprobs: dict | None) -> list[dict]:
     """A chat event through the reply splitter: one chunk per piece (content, reasoning, a
-    whole tool call), the logprobs on the first, the finish reason on a last empty one."""
+    call's start or arguments, a call that came whole), the logprobs on the first, the
+    finish reason on a last empty one."""
     pieces = splitter.feed(event.text)
     if event.finish_reason is not None:
         pieces += splitter.finish()
-    calls_before = splitter.calls - sum(isinstance(p, Call) for p in pieces)
-    out = []
-    for piece in pieces:
-        out.append({"index": index, "delta": _piece_delta(piece, calls_before), "logprobs": None,
-                    "finish_reason": None})
-        calls_before += isinstance(piece, Call)
+    out = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+           for delta in map(_piece_delta, pieces) if delta is not None]
     if logprobs is not None:
         if out:
             out[0]["logprobs"] = logprobs
@@ -216,7 +230,7 @@ def _split_chunks(splitter: ReplySplitter, index: int, event: TokenEvent, logpro
             out.append({"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": None})
     if event.finish_reason is not None:
         out.append({"index": index, "delta": {}, "logprobs": None,
-                    "finish_reason": finish_reason_json(event.finish_reason, splitter.calls > 0)})
+                    "finish_reason": finish_reason_json(event.finish_reason, splitter.called)})
     return out
 
 
@@ -265,7 +279,7 @@ async def sse_events(shape: Shape, stream: EventStream, include_usage: bool,
     n = len(stream.request_ids)
     offsets = [len(prefix)] * n  # legacy logprobs count characters per choice
     usages: list[Usage | None] = [None] * n
-    splitters = [shape.splitter() for _ in range(n)] if shape.splitter is not None else None
+    splitters = [shape.splitter(stream_calls=True) for _ in range(n)] if shape.splitter is not None else None
 
     def chunk(choices: list, usage: dict | None = None) -> str:
         body = {"id": chunk_id, "object": obj, "created": created, "model": shape.model,

@@ -1,7 +1,7 @@
 """What a request's output must look like, as a grammar: OpenAI's ``response_format``
 (a JSON object, or one matching a JSON schema) and a forced tool call (``tool_choice``
-``required`` or a named function: the call's text around arguments that match the tool's
-parameter schema).
+``required`` or a named function: a call in the model's own format, which its parser reads
+back as a call of the tool; ``tool_grammars.py``).
 
 Example (a named tool forced in the Hermes format):
     >>> from kvserve.server.http.tools import ToolFormat
@@ -15,10 +15,11 @@ Example (a named tool forced in the Hermes format):
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from kvserve.server.engine.grammar import JSON_OPTIONS, Grammar
+from kvserve.server.engine.grammar import Grammar
+from kvserve.server.http.tool_args import Unwritable
+from kvserve.server.http.tool_grammars import call_grammar
 from kvserve.server.http.tools import ToolFormat
 
 
@@ -43,11 +44,16 @@ def response_format_grammar(response_format: dict | None) -> Grammar | None:
     return Grammar.from_json_schema(schema)
 
 
-def tool_call_grammar(fmt: ToolFormat, tools: list[dict], choice: Any, parallel: bool) -> Grammar | None:
+def tool_call_grammar(fmt: ToolFormat, tools: list[dict], choice: Any, parallel: bool,
+                      tokenizer: Any = None, preamble: str = "") -> Grammar | None:
     """The grammar of the calls ``tool_choice`` forces, None when the model chooses freely.
     ``required``: one call (or several when ``parallel``) to any of the tools; a named
     function: exactly one call to it, whatever ``parallel`` says (OpenAI and Anthropic force
-    one; a grammar that let the model open another call after it ran on to ``max_tokens``)."""
+    one; a grammar that let the model open another call after it ran on to ``max_tokens``).
+    The grammar ends after the calls, so the reply does (``tool_grammars.py`` writes each
+    format's calls, its markers as the ``tokenizer`` spells them). ``preamble``: text
+    before the calls (where the prompt opened a reasoning block, its end: the calls must
+    not land inside it)."""
     if choice in (None, "auto", "none"):
         return None
     if not tools:
@@ -57,24 +63,19 @@ def tool_call_grammar(fmt: ToolFormat, tools: list[dict], choice: Any, parallel:
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise StructureError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-    if fmt.grammar_call is None:
+    try:
+        lark = call_grammar(fmt.name, fmt.dialect, [t["function"] for t in tools], parallel, _added(tokenizer),
+                            preamble)
+    except Unwritable as exc:
+        raise StructureError(f"{exc}; use tool_choice 'auto'", "tool_choice") from None
+    if lark is None:
         raise StructureError(f"this model's tool-call format ({fmt.name}) cannot be forced; "
                              "use tool_choice 'auto'", "tool_choice")
-    schemas = [_call_schema(t["function"]) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema = {**schema, "x-guidance": JSON_OPTIONS}
-    before, after = fmt.grammar_call
-    if fmt.name == "mistral":  # one list holds every call
-        body = f"{json.dumps(before)} call ({json.dumps(', ')} call)* {json.dumps(after)}" if parallel \
-            else f"{json.dumps(before)} call {json.dumps(after)}"
-        lark = f"start: {body}\ncall: %json {json.dumps(schema)}\n"
-    else:
-        repeat = ' ("\\n" call)*' if parallel else ""
-        lark = f"start: call{repeat}\ncall: {json.dumps(before)} %json {json.dumps(schema)} {json.dumps(after)}\n"
     return Grammar.from_lark(lark, kind="tool_call")
 
 
-def _call_schema(function: dict) -> dict:
-    params = function.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def _added(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's added tokens (``<tool_call>``, ``<|channel|>``, ...) by their text:
+    llguidance takes each for a special token, which the grammar names by id."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {getattr(token, "content", str(token)): i for i, token in decoder.items()}

@@ -8,7 +8,12 @@ Anthropic's clients expect, in its order:
 
 A reply is split into blocks by the same splitter as OpenAI's chat (``ReplySplitter``):
 reasoning becomes a ``thinking`` block, text a ``text`` block, each tool call a ``tool_use``
-block whose input is streamed as one ``input_json_delta``.
+block. A call the splitter follows as it is written (the JSON formats: ``tool_stream.py``)
+starts its block (``input: {}``) once its name is complete and its arguments have begun, and
+streams them as ``input_json_delta`` pieces whose ``partial_json`` joins to its input; a call
+that comes whole (other formats) has its input in one delta. A streamed call cut short (by
+``max_tokens``) or malformed closes its block where it stopped, its text follows as a text
+block, and the stop reason is not ``tool_use``.
 
 Example:
     >>> from kvserve.server.engine.request import FinishReason
@@ -26,7 +31,7 @@ from fastapi import Request as HTTPRequest
 
 from kvserve.server.engine.request import FinishReason, TokenEvent, Usage
 from kvserve.server.http.streams import EngineFailed, EventStream, engine_error
-from kvserve.server.http.tools import Call, Piece, ReplySplitter, Text, merge_texts
+from kvserve.server.http.tools import Call, CallArgs, CallCut, CallStart, Piece, ReplySplitter, Text, merge_texts
 
 
 def stop_reason(reason: FinishReason | None, stop: str | None, called: bool) -> str:
@@ -81,7 +86,7 @@ def call_input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def tool_use_id(call: Call) -> str:
+def tool_use_id(call: Call | CallStart) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
@@ -105,7 +110,7 @@ async def collect_message(stream: EventStream, http_request: HTTPRequest, splitt
     pieces = merge_texts(pieces + splitter.finish())
     message = new_message(model, prompt_tokens)
     message["content"] = [block_json(p) for p in pieces]
-    message["stop_reason"] = stop_reason(last.finish_reason, last.stop, splitter.calls > 0)
+    message["stop_reason"] = stop_reason(last.finish_reason, last.stop, splitter.called)
     message["stop_sequence"] = last.stop
     message["usage"] = usage_json(last.usage, prompt_tokens)
     return message
@@ -123,12 +128,18 @@ class _Blocks:
     (['content_block_start', 'content_block_delta'], ['content_block_delta'])
     >>> kinds(blocks.add(Call("w", "{}", "call_1")) + blocks.close())
     ['content_block_stop', 'content_block_start', 'content_block_delta', 'content_block_stop']
+    >>> streamed = [CallStart("w", "call_2", 1), CallArgs("call_2", '{"a"', 1), CallArgs("call_2", ': 1}', 1),
+    ...             Call("w", '{"a": 1}', "call_2", streamed=True)]
+    >>> [kind for piece in streamed for kind in kinds(blocks.add(piece))]
+    ['content_block_start', 'content_block_delta', 'content_block_delta', 'content_block_stop']
     """
 
     def __init__(self) -> None:
         self.index, self.open = -1, None  # open: "text" | "thinking" | "tool_use" | None
 
     def add(self, piece: Piece) -> list[str]:
+        if isinstance(piece, (CallStart, CallArgs, CallCut)) or (isinstance(piece, Call) and piece.streamed):
+            return self._follow(piece)
         kind = block_json(piece)["type"]
         out: list[str] = []
         if kind != self.open or kind == "tool_use":  # each call is a block of its own
@@ -138,6 +149,19 @@ class _Blocks:
             out.append(sse("content_block_start", {"index": self.index, "content_block": _empty(piece)}))
         out.append(sse("content_block_delta", {"index": self.index, "delta": _delta(piece)}))
         return out
+
+    def _follow(self, piece: CallStart | CallArgs | CallCut | Call) -> list[str]:
+        """A streamed call: its block opens at the start, each arguments piece is a delta, and
+        it closes when the call completes or is cut."""
+        if isinstance(piece, CallStart):
+            block = {"type": "tool_use", "id": tool_use_id(piece), "name": piece.name, "input": {}}
+            out = self.close()
+            self.index, self.open = self.index + 1, "tool_use"
+            return out + [sse("content_block_start", {"index": self.index, "content_block": block})]
+        if isinstance(piece, CallArgs):
+            delta = {"type": "input_json_delta", "partial_json": piece.text}
+            return [sse("content_block_delta", {"index": self.index, "delta": delta})]
+        return self.close()
 
     def close(self) -> list[str]:
         if self.open is None:
@@ -186,7 +210,7 @@ async def message_events(stream: EventStream, splitter: ReplySplitter, model: st
             for out in _event_blocks(blocks, splitter, event):
                 yield out
             if event.finish_reason is not None:
-                reason = stop_reason(event.finish_reason, event.stop, splitter.calls > 0)
+                reason = stop_reason(event.finish_reason, event.stop, splitter.called)
                 yield sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": event.stop},
                                             "usage": usage_json(event.usage, prompt_tokens)})
                 yield sse("message_stop", {})

@@ -40,7 +40,7 @@ def install_anthropic_routes(app: FastAPI, engine: Engine, names: ModelNames) ->
         name = names.check(body.model)
         chat = prepare_chat(chat_input(body), model.tokenizer, boundaries=model.message_ends)
         await check_grammar(model.grammars, chat.grammar, "tool_choice")
-        splitter = chat.splitter() if chat.splitter is not None else ReplySplitter(None)
+        splitter = chat.splitter(stream_calls=body.stream) if chat.splitter is not None else ReplySplitter(None)
         job = submit(engine, sampling_fields(body), chat.tokens, http_request, chat.grammar, "messages",
                      chat.boundaries, chat.thinking_budget(body.thinking_budget()))
         prompt = len(chat.tokens)

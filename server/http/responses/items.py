@@ -6,8 +6,12 @@ the item open at the end of ``output`` or starts the next one:
 
 - text: a ``message`` item, one ``output_text`` part;
 - reasoning: a ``reasoning`` item, one ``reasoning_text`` part (no summary);
-- a call: a ``function_call`` item, its arguments in one delta (a call is whole when the
-  splitter hands it over).
+- a call: a ``function_call`` item. A call the splitter follows as it is written (streamed
+  replies, the JSON formats: ``tool_stream.py``) adds its item as soon as its name is
+  complete and its arguments have begun, one ``function_call_arguments.delta`` per piece,
+  then ``.done`` once the call is complete; a call cut short (``max_output_tokens``) or
+  malformed ends its item ``incomplete`` and its text follows as a message. A call that
+  comes whole has its arguments in one delta.
 
 Example (the events of a reply that says something, then calls a function):
     >>> out = OutputItems()
@@ -33,7 +37,7 @@ import uuid
 from typing import Callable
 
 from kvserve.server.engine.request import TokenEvent
-from kvserve.server.http.tools import Call, Piece, ReplySplitter, Text
+from kvserve.server.http.tools import Call, CallArgs, CallCut, CallStart, Piece, ReplySplitter, Text
 
 
 def new_id(prefix: str) -> str:
@@ -42,10 +46,11 @@ def new_id(prefix: str) -> str:
 
 class Reply:
     """The pieces of a reply as its text arrives: through the splitter when the chat can
-    call tools or reason, else every bit of text as content, as soon as it comes."""
+    call tools or reason, else every bit of text as content, as soon as it comes.
+    ``stream``: calls are followed as they are written (a streamed response)."""
 
-    def __init__(self, splitter: Callable[[], ReplySplitter] | None):
-        self._splitter = splitter() if splitter is not None else None
+    def __init__(self, splitter: Callable[..., ReplySplitter] | None, stream: bool = False):
+        self._splitter = splitter(stream_calls=stream) if splitter is not None else None
 
     def pieces(self, event: TokenEvent) -> list[Piece]:
         if self._splitter is None:
@@ -66,6 +71,13 @@ class OutputItems:
         self._text: list[str] = []
 
     def add(self, piece: Piece) -> list[dict]:
+        if isinstance(piece, CallStart):
+            return self._close("completed") + self._call_start(piece)
+        if isinstance(piece, CallArgs):
+            self._text.append(piece.text)
+            return [self._event("response.function_call_arguments.delta", delta=piece.text)]
+        if isinstance(piece, CallCut) or (isinstance(piece, Call) and piece.streamed):
+            return self._close("incomplete" if isinstance(piece, CallCut) else "completed")
         if isinstance(piece, Call):
             return self._close("completed") + self._call(piece)
         kind = "reasoning" if piece.reasoning else "message"
@@ -104,6 +116,8 @@ class OutputItems:
     def _close(self, status: str) -> list[dict]:
         if self._open is None:
             return []
+        if self._open["type"] == "function_call":
+            return self._call_done(status)
         kind, text = self._open["type"], "".join(self._text)
         part = _part(kind, text)
         item = {**self._open, "content": [part]}
@@ -111,6 +125,22 @@ class OutputItems:
             item["status"] = status
         events = [self._event(_DONE[kind], content_index=0, text=text, **_LOGPROBS[kind]),
                   self._event("response.content_part.done", content_index=0, part=part),
+                  {"type": "response.output_item.done", "output_index": self._index, "item": item}]
+        self.items.append(item)
+        self._open, self._text = None, []
+        return events
+
+    def _call_start(self, start: CallStart) -> list[dict]:
+        """A streamed call's item, open for its arguments (``_text`` gathers them)."""
+        self._open = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
+                      "call_id": start.id, "name": start.name}
+        self._text = []
+        return [{"type": "response.output_item.added", "output_index": self._index, "item": dict(self._open)}]
+
+    def _call_done(self, status: str) -> list[dict]:
+        arguments = "".join(self._text)
+        item = {**self._open, "arguments": arguments, "status": status}
+        events = [self._event("response.function_call_arguments.done", arguments=arguments),
                   {"type": "response.output_item.done", "output_index": self._index, "item": item}]
         self.items.append(item)
         self._open, self._text = None, []

@@ -68,7 +68,7 @@ def install_responses_routes(app: FastAPI, engine: Engine, names: ModelNames, st
         turn = await _turn(body, store)
         chat = await _prepare(body, engine, turn)
         job = _submit(engine, body, chat, http_request)
-        start, reply = new_response(body, name, stored=turn.stored), Reply(chat.splitter)
+        start, reply = new_response(body, name, stored=turn.stored), Reply(chat.splitter, stream=bool(body.stream))
         keep = _keeper(store, turn)
         events = (lambda: response_events(start, job.stream, reply, job.abort,
                                           http_request.app.state.sse_keepalive_s, keep)) if body.stream else None
