@@ -30,7 +30,7 @@ GREEDY = {"extra_body": {"temperature": 0}}
 def server(default_model_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("anthropic")
     proc = ServerProcess(default_model_dir, "--cache-dir", str(cache), "--kv-scheme", "fp16",
-                         "--prompt-cache-dir", str(cache / "prompts"))
+                         "--prompt-cache-dir", str(cache / "prompts"), "--served-model-name", "claude-*")
     yield proc.wait_ready()
     assert proc.stop() == 0, proc.output()
 
@@ -58,10 +58,10 @@ def test_a_greedy_message_equals_the_openai_chat_reply(server, client):
     assert message.model == httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
 
 
-def sse_kinds(server, body: dict) -> tuple[list[str], list[dict]]:
+def sse_kinds(server, body: dict, path: str = "/v1/messages", headers: dict | None = None) -> tuple[list[str], list[dict]]:
     """The event names of a raw streamed reply (pings left out) and their data."""
-    with httpx.stream("POST", f"{server.base_url}/v1/messages", json=body, timeout=120) as response:
-        assert response.headers["content-type"].startswith("text/event-stream")
+    with httpx.stream("POST", f"{server.base_url}{path}", json=body, headers=headers, timeout=300) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         lines = list(response.iter_lines())
     kinds = [line[7:] for line in lines if line.startswith("event: ")]
     data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
@@ -284,3 +284,56 @@ def test_the_client_authenticates_with_x_api_key():
         "type": "authentication_error", "message": "missing or invalid API key (Authorization: Bearer ...)"}}
     assert http.get("/v1/models", headers={"x-api-key": KEY}).status_code == 200
     assert http.get("/v1/models").json()["error"]["code"] == "invalid_api_key"  # OpenAI's shape elsewhere
+
+
+# ---- a Claude-Code-shaped session ---------------------------------------------------------
+
+CLAUDE_CODE_HEADERS = {"anthropic-version": "2023-06-01", "x-app": "cli", "user-agent": "claude-cli/2.0.14 (external, cli)",
+                       "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                                         "fine-grained-tool-streaming-2025-05-14"}
+BASH = {"name": "Bash", "description": "Run a shell command", "input_schema": {
+    "$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": False,
+    "properties": {"command": {"type": "string", "maxLength": 40}, "description": {"type": "string", "maxLength": 40}},
+    "required": ["command"]}}
+SYSTEM = [{"type": "text", "text": "You are Claude Code, a CLI for coding."},
+          {"type": "text", "text": "Answer tersely.", "cache_control": {"type": "ephemeral"}}]
+
+
+def _claude_code(server, body: dict, path: str = "/v1/messages?beta=true") -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=CLAUDE_CODE_HEADERS, timeout=300)
+
+
+def test_a_claude_code_session_is_answered_in_anthropics_shapes(server):
+    """What Claude Code sends, as it sends it: ``?beta=true`` and its beta headers, a
+    ``claude-...`` model name, system blocks with ``cache_control``, a tool schema with
+    ``$schema``, ``max_tokens`` 32000 (past the model's context), thinking enabled, a streamed
+    forced call, then the call's ``tool_result`` marked ``is_error``, counted first; and a
+    side call under another model name. Every request is a 200 in Anthropic's shapes."""
+    turn = [{"role": "user", "content": [{"type": "text", "text": "List the files here.",
+                                          "cache_control": {"type": "ephemeral"}}]}]
+    body = {"model": "claude-sonnet-4-5-20250929", "max_tokens": 32000, "system": SYSTEM, "messages": turn,
+            "tools": [BASH], "tool_choice": {"type": "tool", "name": "Bash"}, "stream": True,
+            "thinking": {"type": "enabled", "budget_tokens": 1024}, "metadata": {"user_id": "user_abc"}}
+    kinds, data = sse_kinds(server, body, "/v1/messages?beta=true", CLAUDE_CODE_HEADERS)
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert data[0]["message"]["model"] == "claude-sonnet-4-5-20250929"
+    starts = [d["content_block"] for d in data if d["type"] == "content_block_start"]
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == len(starts)
+    call = next(b for b in starts if b["type"] == "tool_use")
+    arguments = "".join(d["delta"]["partial_json"] for d in data
+                        if d["type"] == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
+    jsonschema.validate(json.loads(arguments), BASH["input_schema"])
+    assert data[-2]["delta"]["stop_reason"] == "tool_use"
+    history = [*turn, {"role": "assistant", "content": [{**call, "input": json.loads(arguments)}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "is_error": True,
+                                             "content": "ls: permission denied"}]}]
+    follow = {"model": "claude-sonnet-4-5-20250929", "system": SYSTEM, "messages": history, "tools": [BASH]}
+    counted = _claude_code(server, follow, "/v1/messages/count_tokens?beta=true")
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    reply = _claude_code(server, {**follow, "max_tokens": 16, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["type"] == "message" and reply.json()["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+    side = _claude_code(server, {"model": "claude-3-5-haiku-20241022", "max_tokens": 8, "messages": turn,
+                                 "system": [{"type": "text", "text": "Summarize the topic in 3 words."}]})
+    assert side.status_code == 200 and side.json()["model"] == "claude-3-5-haiku-20241022"
+
