@@ -134,15 +134,16 @@ class OutputConfig(_Body):
 
 
 class ThinkingConfig(_Body):
-    """Extended thinking: ``enabled`` (with a budget of at least 1,024 tokens, below
-    ``max_tokens``, as Anthropic's API requires) or ``adaptive`` lets a reasoning template
+    """Extended thinking: ``enabled`` (with a budget below ``max_tokens``, as Anthropic's API
+    requires; its floor of 1,024 tokens is not kept: a small local model thinks usefully in
+    fewer, and llama.cpp's server takes any budget) or ``adaptive`` lets a reasoning template
     think (``enable_thinking``), ``disabled`` asks it not to. A model without reasoning
     answers as it always does. A reasoning model thinks for at most ``budget_tokens``
     tokens: then its thinking block is closed for it (``engine/thinking.py``) and it
     answers; ``max_tokens`` bounds thinking and answer together."""
 
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Annotated[int, Field(ge=1024)] | None = None
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None
 
     @model_validator(mode="after")
     def _budget(self) -> "ThinkingConfig":
