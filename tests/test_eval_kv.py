@@ -115,9 +115,9 @@ def test_report_fields_and_bytes(reports):
         assert r.positions == K and r.kv_tokens == N + K
         assert r.ppl_fp16 == fp16.ppl_fp16 and r.ppl_scheme > 1.0
         assert r.seconds > 0.0
-    # Random weights are float32, so the fp16 cache holds float32: K + V, every layer.
-    assert fp16.cache_dtypes == ("float32",)
-    assert fp16.stored_bytes_per_token == LAYERS * KV_HEADS * 2 * HEAD_DIM * 4
+    # Random weights are float32, and the fp16 cache stores them as float16: K + V, every layer.
+    assert fp16.cache_dtypes == ("float16",)
+    assert fp16.stored_bytes_per_token == LAYERS * KV_HEADS * 2 * HEAD_DIM * 2
     # affine8, group 64: 64 one-byte values + a float32 scale and bias per component.
     assert a8.stored_bytes_per_token == LAYERS * KV_HEADS * 2 * (HEAD_DIM + 4 + 4)
     assert a8.compression_stored == pytest.approx(fp16.stored_bytes_per_token / a8.stored_bytes_per_token)

@@ -78,11 +78,11 @@ def _served(model_dir, *args) -> tuple[list[str], dict[str, float]]:
 
 
 def test_budget_admits_by_bytes_and_preempts_without_changing_replies(default_model_dir):
-    """6 MiB hold 136 fp16 tokens of the default model (46,080 B each: float32 on the CPU).
-    Four ~45-token chat prompts: two are admitted (a third prompt and a step would not fit
-    beside them), and as they decode, past ~23 tokens each, the later one is preempted, swapped out and resumed: the greedy replies
-    equal those of a server without a tight budget. affine4 (7,200 B a token) holds 873
-    tokens in the same bytes: all four run to the end without a preemption."""
+    """6 MiB hold 273 fp16 tokens of the default model (23,040 B each). Four ~45-token chat
+    prompts decode until their caches outgrow the budget: requests are preempted, swapped
+    out and resumed, and the greedy replies equal those of a server without a tight budget.
+    affine4 (7,200 B a token) holds 873 tokens in the same bytes: all four run to the end
+    without a preemption."""
     free, _ = _served(default_model_dir, "--kv-scheme", "fp16")
     budget = 6 << 20
     fp16, m16 = _served(default_model_dir, "--kv-scheme", "fp16", "--kv-memory", "6MiB")
