@@ -59,14 +59,15 @@ def greedy(model, cache, prompt: list[int], n: int) -> tuple[list[int], mx.array
 # --- the container against mlx-lm ---
 
 def test_fp16_container_decodes_like_mlx_lm(model):
-    """The same tokens; logits equal to float32 rounding: on the CPU attention runs in
-    kvserve's kernel, which sums in another order than MLX's SDPA."""
+    """The same tokens; logits equal to float16 rounding: the fp16 cache stores K/V as 16-bit
+    floats where mlx-lm's keeps the model's float32 (and on the CPU attention runs in
+    kvserve's kernel, which sums in another order than MLX's SDPA)."""
     ours = PromptCache.for_model(model, "fp16")
     theirs = make_prompt_cache(model)
     a, la = greedy(model, ours, PROMPT, 16)
     b, lb = greedy(model, theirs, PROMPT, 16)
     assert a == b
-    assert mx.allclose(la, lb, atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(la, lb, atol=2e-3, rtol=2e-3).item()
     assert all(type(layer) is FP16KVCache for layer in ours) and ours.offset == len(PROMPT) + 16
 
 
@@ -104,7 +105,8 @@ def test_holders_see_the_converted_layers(model):
 def test_conversion_keeps_decoding_close(model):
     reference, ref_logits = greedy(model, PromptCache.for_model(model, "fp16"), PROMPT, 10)
     tokens, logits = greedy(model, PromptCache.for_model(model, "affine8", quantize_after=14), PROMPT, 10)
-    assert mx.array_equal(logits[:2], ref_logits[:2]).item()  # fp16 until offset 14
+    _, raw_logits = greedy(model, PromptCache.for_model(model, "affine8", quantize_after=1 << 20), PROMPT, 10)
+    assert mx.array_equal(logits[:2], raw_logits[:2]).item()  # the raw prefill until offset 14
     assert mx.abs(logits - ref_logits).max().item() < 0.05 and tokens == reference
 
 

@@ -11,7 +11,7 @@ import pytest
 from servers import random_llama
 from stepping import drive
 
-from kvserve.cache import parse_scheme
+from kvserve.cache import PromptCache, parse_scheme
 from kvserve.server.engine.request import Request, SamplingParams
 from kvserve.server.engine.runner import ModelRunner
 
@@ -24,7 +24,10 @@ def model():
 
 
 def reference_logits(model, tokens: list[int]) -> mx.array:
-    return model(mx.array([tokens]))[0, -1].astype(mx.float32)  # (V,)
+    """The last position's logits over an fp16 cache, as the runner computes them (K/V stored
+    as 16-bit floats: without a cache they would differ by that rounding, ~4e-4 here)."""
+    cache = PromptCache.for_model(model, "fp16")
+    return model(mx.array([tokens]), cache=cache)[0, -1].astype(mx.float32)  # (V,)
 
 
 def reference_greedy(model, prompt: list[int], n: int, bias: dict[int, float] | None = None,
