@@ -23,8 +23,8 @@ called with (computed by whichever part is called first).
 Only plain ``nn.Linear`` and ``nn.QuantizedLinear`` siblings with one input width (and one
 quantization) are stacked; sharded and CPU-specific linears keep their own code. The
 stacked weights replace the separate ones (no memory is added). A layer that calls only
-some parts (a KV-shared layer calls ``q_proj`` alone) computes the others' columns for
-nothing; no served architecture does that on the GPU profile's models but Gemma 3n.
+some parts computes the others' columns for nothing: the KV-shared layers of Gemma 3n and
+Gemma 4 call ``q_proj`` alone (correct, a little slower there).
 """
 
 from __future__ import annotations
