@@ -102,7 +102,10 @@ def check_call(message) -> None:
     jsonschema.validate(block.input, WEATHER)
 
 
-@pytest.mark.parametrize("stream, count", [(False, 20), (True, 6)], ids=["create", "stream"])
+# A full batch (the default max_batch_size, 8) of sampled calls: the grammar, not the model,
+# guarantees each one, so 8 check it as 20 did (three waves through the batch) at 40% of the
+# decoding.
+@pytest.mark.parametrize("stream, count", [(False, 8), (True, 6)], ids=["create", "stream"])
 def test_a_forced_tool_always_gives_input_that_validates(client, stream, count):
     for message in together([lambda: forced(client, stream) for _ in range(count)]):
         check_call(message)
