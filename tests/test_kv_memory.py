@@ -9,7 +9,8 @@ import re
 import httpx
 import pytest
 from archs import build_model
-from servers import ServerProcess, random_llama
+from inprocess import InProcessServer
+from servers import random_llama
 
 from kvserve.cache import parse_scheme
 from kvserve.configs import ConfigError, EngineConfig, parse_size
@@ -65,8 +66,10 @@ def _complete(base_url: str, prompt: str) -> str:
 
 
 def _served(model_dir, *args) -> tuple[list[str], dict[str, float]]:
-    """The 4 prompts sent at once to a fresh server; its replies and /metrics values."""
-    server = ServerProcess(model_dir, "--prompt-cache-disk-gb", "0", "--prompt-cache-ram-gb", "0", *args).wait_ready()
+    """The 4 prompts sent at once to a fresh server (in this process: the command's
+    configuration, engine and app; what is checked is the budget, not the process); its
+    replies and /metrics values."""
+    server = InProcessServer(model_dir, "--prompt-cache-disk-gb", "0", "--prompt-cache-ram-gb", "0", *args).wait_ready()
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(lambda p: _complete(server.base_url, p), PROMPTS))
