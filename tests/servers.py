@@ -128,13 +128,15 @@ def wait_healthy(base_url: str, exited, timeout: float) -> bool:
     return False
 
 
-def replies_across_a_restart(model: Path | str, body: dict, *args: str) -> tuple[dict, dict]:
+def replies_across_a_restart(model: Path | str, body: dict, *args: str, server=None) -> tuple[dict, dict]:
     """``body`` sent to ``/v1/chat/completions`` of a server, then of a second one started
     after the first stopped, both with ``args`` (the same cache folder): a clean stop flushes
-    the prefix cache's disk writer, so the second can start from the first one's files."""
+    the prefix cache's disk writer, so the second can start from the first one's files.
+    ``server``: the class that serves (``ServerProcess`` when None; ``inprocess.InProcessServer``
+    where the files, not the process, are what a test checks)."""
     replies = []
     for _ in range(2):
-        proc = ServerProcess(model, *args).wait_ready()
+        proc = (server or ServerProcess)(model, *args).wait_ready()
         try:
             replies.append(httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=120).json())
         finally:

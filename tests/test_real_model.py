@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from inprocess import InProcessServer
 from servers import ServerProcess, on_gpu, replies_across_a_restart
 from together import together
 
@@ -49,11 +50,16 @@ def test_a_restarted_server_answers_from_its_prompt_cache_files(default_model_di
     second server reads the first one's prefix cache from disk (RAM tier off, so nothing else
     can answer) and starts at the prompt's last token. fp16 gives the cold reply token for
     token; turbo0v4 attends over the stored codes instead of fresh K/V (by design), so it is
-    held to the right answer."""
+    held to the right answer.
+
+    Served in this process (``tests/inprocess.py``: its stop flushes the disk writer as the
+    process's SIGTERM does): what is checked is the files; a restart of the process itself is
+    test_http.py's (the tiny model) and test_hardening.py's."""
     body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}],
             "temperature": 0, "max_tokens": 24}
     cold, warm = replies_across_a_restart(default_model_dir, body, "--kv-scheme", scheme,
-                                          "--prompt-cache-ram-gb", "0", "--prompt-cache-dir", str(tmp_path))
+                                          "--prompt-cache-ram-gb", "0", "--prompt-cache-dir", str(tmp_path),
+                                          server=InProcessServer)
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == warm["usage"]["prompt_tokens"] - 1
     texts = [a["choices"][0]["message"]["content"] for a in (cold, warm)]
@@ -252,8 +258,9 @@ def test_gemma3_long_text_loss(gemma3):
 @pytest.mark.sliding_window
 def test_gemma3_served_over_http(gemma3_model_dir, tmp_path):
     """The real server on Gemma 3: five of every six layers attend through a 512-token
-    sliding window, which the engine's caches must keep."""
-    proc = ServerProcess(gemma3_model_dir, "--cache-dir", str(tmp_path),
+    sliding window, which the engine's caches must keep. (Served in this process: the
+    command's configuration, engine and app without its process start.)"""
+    proc = InProcessServer(gemma3_model_dir, "--cache-dir", str(tmp_path),
                          "--prompt-cache-ram-gb", "0", "--prompt-cache-disk-gb", "0").wait_ready()
     try:
         body = {"model": "gemma3-270m", "prompt": GEMMA3_QUESTION, "temperature": 0, "max_tokens": 8}
