@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from servers import ServerProcess
+from inprocess import InProcessServer
 from together import together
 
 WEATHER_PARAMS = {"type": "object", "properties": {
@@ -41,7 +41,8 @@ CAT = {"type": "object", "properties": {
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("structured")
-    proc = ServerProcess(default_model_dir, "--cache-dir", str(cache), "--kv-scheme", "affine8",
+    # In this process (tests/inprocess.py): the routes and the grammars are what is checked.
+    proc = InProcessServer(default_model_dir, "--cache-dir", str(cache), "--kv-scheme", "affine8",
                          "--prompt-cache-dir", str(cache / "prompts"))
     yield proc.wait_ready()
     assert proc.stop() == 0, proc.output()
