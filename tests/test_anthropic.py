@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from servers import ServerProcess
+from inprocess import InProcessServer
 from together import together
 
 WEATHER = {"type": "object", "properties": {
@@ -29,7 +29,8 @@ GREEDY = {"extra_body": {"temperature": 0}}
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("anthropic")
-    proc = ServerProcess(default_model_dir, "--cache-dir", str(cache), "--kv-scheme", "fp16",
+    # In this process (tests/inprocess.py): the routes' shapes are what is checked.
+    proc = InProcessServer(default_model_dir, "--cache-dir", str(cache), "--kv-scheme", "fp16",
                          "--prompt-cache-dir", str(cache / "prompts"), "--served-model-name", "claude-*")
     yield proc.wait_ready()
     assert proc.stop() == 0, proc.output()
