@@ -15,6 +15,13 @@ from kvserve.bench.soak import metrics
 
 CHAT = [{"role": "user", "content": "Say something."}]
 
+# BIT_EXACT_ONLY_ON_CPU: a repeated request's prefill is served from the prefix cache (the last
+# prompt token computed alone) and a row may decode in other company; on the CPU its logits come
+# out bit-identical either way, on a GPU they differ in the last bits (measured on an H200, tiny
+# model: first-token logprobs -7.22715 cold against -7.22731 after a prefix-cache hit), which is
+# enough to part two seeded samples of this near-flat random model. On a GPU the seeded checks
+# below keep only what rounding cannot change: different seeds give different texts.
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
@@ -40,7 +47,8 @@ def test_models_and_health(server, client, model_id):
     card = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]
     assert card["context_length"] == 512 and card["weight_format"] and card["blas"]
     on_cpu = {"backend": "cpu", "rewrites": ["table_rope", "cpu_ops"], "warmup": False}
-    assert card["device"] == on_cpu or (on_gpu() and card["device"]["rewrites"] == [] and card["device"]["warmup"])
+    on_cuda = {"backend": "cuda", "rewrites": ["fused_projections"], "warmup": True}
+    assert card["device"] == (on_cuda if on_gpu() else on_cpu)
     assert httpx.get(f"{server.base_url}/health").json()["status"] == "ok"
 
 
@@ -67,7 +75,8 @@ def test_seeded_sampling_reproduces(client, model_id):
     a = client.chat.completions.create(**kwargs).choices[0].message.content
     b = client.chat.completions.create(**kwargs).choices[0].message.content
     c = client.chat.completions.create(**{**kwargs, "seed": 8}).choices[0].message.content
-    assert a == b
+    if not on_gpu():  # see BIT_EXACT_ONLY_ON_CPU
+        assert a == b
     assert a != c  # 10 tokens from a 49k vocabulary; equal texts would mean the seed is ignored
 
 
@@ -258,13 +267,15 @@ def test_n_choices_share_the_prompt_and_stream_the_same_texts(client, model_id):
     assert len(set(texts)) == 3  # seeds 5, 6, 7
     assert whole.usage.completion_tokens == 30
     single = client.chat.completions.create(**{**kwargs, "n": 1, "seed": 6})
-    assert single.choices[0].message.content == texts[1]
     assert whole.usage.prompt_tokens == single.usage.prompt_tokens
     streamed = ["", "", ""]
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
             streamed[choice.index] += choice.delta.content or ""
-    assert streamed == texts
+    assert len(set(streamed)) == 3
+    if not on_gpu():  # see BIT_EXACT_ONLY_ON_CPU
+        assert single.choices[0].message.content == texts[1]
+        assert streamed == texts
 
 
 def test_chat_logprobs_in_openai_shape(client, model_id):
