@@ -257,19 +257,94 @@ inline void score4(const float* q, int D, const float* blk, float* dst, int T, i
   put(dst + 3 * T, a3, m);
 }
 
-// acc[0 : 16 * nv] += p_t * v_t for tokens [t0, t1) in order, held in registers; ``vals``
-// is the token block (row stride Dv), ``p`` the row's probabilities. A hidden slot (p == 0)
-// never reads its V (it may hold stale values, even infinite ones).
-inline void accumulate(float* acc, int nv, const float* p, int t0, int t1, const float* vals, int Dv) {
-  v16f a[4] = {};
-  for (int i = 0; i < nv; i++) a[i] = load(acc + 16 * i);
+// One row against four full blocks of 16 tokens (``blk``: four D x 16 blocks one after
+// another), each lane summed exactly as score1 does: four independent chains instead of one.
+inline void score1x4(const float* q, int D, const float* blk, float* dst) {
+  v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  const float *b0 = blk, *b1 = blk + 16 * D, *b2 = blk + 32 * D, *b3 = blk + 48 * D;
+  for (int d = 0; d < D; d++) {
+    v16f x = splat(q[d]);
+    a0 += x * load(b0 + d * 16);
+    a1 += x * load(b1 + d * 16);
+    a2 += x * load(b2 + d * 16);
+    a3 += x * load(b3 + d * 16);
+  }
+  store(dst, a0);
+  store(dst + 16, a1);
+  store(dst + 32, a2);
+  store(dst + 48, a3);
+}
+
+// 16 values of a token row stored as DT (F32, F16 or BF16), as float32.
+template <int DT>
+inline v16f load_as_float(const uint8_t* row, int d) {
+  if constexpr (DT == F32) return load(reinterpret_cast<const float*>(row) + d);
+  else if constexpr (DT == F16) return widen_f16(reinterpret_cast<const uint16_t*>(row) + d);
+  else return widen_bf16(reinterpret_cast<const uint16_t*>(row) + d);
+}
+
+// Token rows [t, t + m) of a call, m <= 16: decoded float32 rows, or a raw component's rows
+// read where the cache stores them (no decoded copy).
+struct Rows {
+  const uint8_t* base;  // the first row
+  int64_t stride;  // bytes from one row to the next
+  int dtype;
+};
+
+// m <= 16 token rows (D a multiple of 16) as one dimension-major block (``blk[d * 16 + i]``
+// = token i's d-th value), zeros for tokens past m.
+template <int DT>
+void to_dimension_major(Rows rows, int m, int D, float* blk) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    v16f r[16];
+    for (int i = 0; i < 16; i++) r[i] = i < m ? load_as_float<DT>(rows.base + i * rows.stride, d0) : v16f{};
+    transpose16(r);
+    for (int d = 0; d < 16; d++) store(blk + size_t(d0 + d) * 16, r[d]);
+  }
+}
+
+void to_dimension_major(Rows rows, int m, int D, float* blk) {
+  if (rows.dtype == F16) to_dimension_major<F16>(rows, m, D, blk);
+  else if (rows.dtype == BF16) to_dimension_major<BF16>(rows, m, D, blk);
+  else to_dimension_major<F32>(rows, m, D, blk);
+}
+
+// acc[0 : 16 * NV] += p_t * v_t[d0 : d0 + 16 * NV] for tokens [t0, t1) in order, held in
+// registers; ``rows`` starts at token t0, ``p`` is the row's probabilities. A hidden slot
+// (p == 0) never reads its V (it may hold stale values, even infinite ones).
+template <int NV, int DT>
+void accumulate(float* acc, const float* p, int t0, int t1, Rows rows, int d0) {
+  v16f a[NV];
+  for (int i = 0; i < NV; i++) a[i] = load(acc + 16 * i);
   for (int t = t0; t < t1; t++) {
     if (p[t] == 0.0f) continue;
     v16f w = splat(p[t]);
-    const float* v = vals + size_t(t - t0) * Dv;
-    for (int i = 0; i < nv; i++) a[i] += w * load(v + 16 * i);
+    const uint8_t* v = rows.base + (t - t0) * rows.stride;
+    for (int i = 0; i < NV; i++) a[i] += w * load_as_float<DT>(v, d0 + 16 * i);
   }
-  for (int i = 0; i < nv; i++) store(acc + 16 * i, a[i]);
+  for (int i = 0; i < NV; i++) store(acc + 16 * i, a[i]);
+}
+
+template <int DT>
+void accumulate(float* acc, int nv, const float* p, int t0, int t1, Rows rows, int d0) {
+  if (nv == 4) accumulate<4, DT>(acc, p, t0, t1, rows, d0);
+  else if (nv == 3) accumulate<3, DT>(acc, p, t0, t1, rows, d0);
+  else if (nv == 2) accumulate<2, DT>(acc, p, t0, t1, rows, d0);
+  else accumulate<1, DT>(acc, p, t0, t1, rows, d0);
+}
+
+void accumulate(float* acc, int nv, const float* p, int t0, int t1, Rows rows, int d0) {
+  if (rows.dtype == F16) accumulate<F16>(acc, nv, p, t0, t1, rows, d0);
+  else if (rows.dtype == BF16) accumulate<BF16>(acc, nv, p, t0, t1, rows, d0);
+  else accumulate<F32>(acc, nv, p, t0, t1, rows, d0);
+}
+
+// Rows from token t of a component: where a raw one stores them, else the decoded block
+// ``tokens`` (decoded from token t0 on).
+Rows rows_of(const Component& c, int b, int h, int t, int t0, const float* tokens, int dim) {
+  if (c.kind == RAW)
+    return {c.data + b * c.data_stride[0] + h * c.data_stride[1] + t * c.data_stride[2], c.data_stride[2], c.dtype};
+  return {reinterpret_cast<const uint8_t*>(tokens + size_t(t - t0) * dim), int64_t(dim) * 4, F32};
 }
 
 int items_per_pair(const Call& c) {
@@ -299,22 +374,26 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
   float* kt = tokens + size_t(kTokenBlock) * W;
   for (int t0 = 0; t0 < T; t0 += kTokenBlock) {
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
-    for (int t = t0; t < t1; t++) dequant_token(c.keys, b, h, t, tokens + size_t(t - t0) * D);
-    for (int j = t0; j < t1; j += 16) {
-      float* blk = kt + size_t(j - t0) * D;
-      for (int i = 0; i < 16; i++) {
-        const float* k = tokens + size_t(j - t0 + i) * D;
-        bool real = j + i < t1;
-        for (int d = 0; d < D; d++) blk[d * 16 + i] = real ? k[d] : 0.0f;
-      }
-    }
-    for (int r0 = 0; r0 < n; r0 += kRowBlock)
+    if (c.keys.kind != RAW)
+      for (int t = t0; t < t1; t++) dequant_token(c.keys, b, h, t, tokens + size_t(t - t0) * D);
+    for (int j = t0; j < t1; j += 16)
+      to_dimension_major(rows_of(c.keys, b, h, j, t0, tokens, D), t1 - j < 16 ? t1 - j : 16, D, kt + size_t(j - t0) * D);
+    for (int r0 = 0; r0 < n; r0 += kRowBlock) {
+      int r1 = r0 + kRowBlock < n ? r0 + kRowBlock : n, quads = r0 + (r1 - r0) / 4 * 4;
       for (int j = t0; j < t1; j += 16) {
         const float* blk = kt + size_t(j - t0) * D;
-        int m = t1 - j < 16 ? t1 - j : 16, r1 = r0 + kRowBlock < n ? r0 + kRowBlock : n, r = r0;
-        for (; r + 4 <= r1; r += 4) score4(qp + size_t(r) * D, D, blk, s + size_t(r) * T + j, T, m);
-        for (; r < r1; r++) score1(qp + size_t(r) * D, D, blk, s + size_t(r) * T + j, m);
+        int m = t1 - j < 16 ? t1 - j : 16;
+        for (int r = r0; r < quads; r += 4) score4(qp + size_t(r) * D, D, blk, s + size_t(r) * T + j, T, m);
       }
+      // The rows left over (a decode step's n_rep rows, often 1-3): four token blocks at once.
+      for (int r = quads; r < r1; r++) {
+        int j = t0;
+        for (; j + 64 <= t1; j += 64)
+          score1x4(qp + size_t(r) * D, D, kt + size_t(j - t0) * D, s + size_t(r) * T + j);
+        for (; j < t1; j += 16)
+          score1(qp + size_t(r) * D, D, kt + size_t(j - t0) * D, s + size_t(r) * T + j, t1 - j < 16 ? t1 - j : 16);
+      }
+    }
   }
   for (int r = 0; r < n; r++) {
     float* sr = s + size_t(r) * T;
@@ -326,7 +405,14 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
       for (int t = 0; t < T; t++) sr[t] = m[t] <= kHidden ? m[t] : sr[t] + m[t];
     }
     float top = c.sinks ? c.sinks[head] : -INFINITY;
-    for (int t = 0; t < T; t++) top = sr[t] > top ? sr[t] : top;
+    v16f tops = splat(top);  // the maximum is the same in any order
+    int t = 0;
+    for (; t + 16 <= T; t += 16) {
+      v16f x = load(sr + t);
+      tops = x > tops ? x : tops;
+    }
+    for (int i = 0; i < 16; i++) top = tops[i] > top ? tops[i] : top;
+    for (; t < T; t++) top = sr[t] > top ? sr[t] : top;
     for (int t = 0; t < T; t += 16) {  // the tail through the same exp, padded
       int m = T - t < 16 ? T - t : 16;
       float x[16];
@@ -345,11 +431,12 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
   std::fill(acc, acc + size_t(n) * Dv, 0.0f);
   for (int t0 = 0; t0 < T; t0 += kTokenBlock) {
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
-    for (int t = t0; t < t1; t++) dequant_token(c.values, b, h, t, tokens + size_t(t - t0) * Dv);
+    if (c.values.kind != RAW)
+      for (int t = t0; t < t1; t++) dequant_token(c.values, b, h, t, tokens + size_t(t - t0) * Dv);
+    Rows rows = rows_of(c.values, b, h, t0, t0, tokens, Dv);
     for (int r = 0; r < n; r++)
       for (int d0 = 0; d0 < Dv; d0 += 64)
-        accumulate(acc + size_t(r) * Dv + d0, Dv - d0 < 64 ? (Dv - d0) / 16 : 4, s + size_t(r) * T, t0, t1,
-                   tokens + d0, Dv);
+        accumulate(acc + size_t(r) * Dv + d0, Dv - d0 < 64 ? (Dv - d0) / 16 : 4, s + size_t(r) * T, t0, t1, rows, d0);
   }
   for (int r = 0; r < n; r++) {
     float* dst = c.out + ((size_t(b) * c.Hq + head_of(r)) * c.L + query_of(r)) * Dv;

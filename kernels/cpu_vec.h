@@ -34,3 +34,26 @@ inline v16f exp_clamped(v16f x) {
   std::memcpy(&two_n, &bits, sizeof two_n);
   return p * two_n;
 }
+
+// [a0, b0, a1, b1, ..., a7, b7] and [a8, b8, ..., a15, b15]: one two-source permute each.
+inline v16f interleave_lo(v16f a, v16f b) {
+  return __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+}
+inline v16f interleave_hi(v16f a, v16f b) {
+  return __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+
+// A 16 x 16 block transposed in registers: four rounds of the perfect shuffle (row 2i takes
+// the interleaved first halves of rows i and i + 8, row 2i + 1 the second halves), 64
+// permutes where element-by-element copies take 256 loads and 256 stores.
+//   rows r (row i = [16i, ..., 16i + 15])  ->  r[j] = [j, 16 + j, ..., 240 + j]
+inline void transpose16(v16f r[16]) {
+  for (int round = 0; round < 4; round++) {
+    v16f t[16];
+    for (int i = 0; i < 8; i++) {
+      t[2 * i] = interleave_lo(r[i], r[i + 8]);
+      t[2 * i + 1] = interleave_hi(r[i], r[i + 8]);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+  }
+}
