@@ -22,15 +22,16 @@ Per (architecture, scheme) one server runs every check, restarted once:
   that same prefix, read from disk, and continues with the second reply's tokens (in fp16,
   the first reply's too).
 
-For each architecture one scheme's server is a ``kvserve serve`` process, restarted with
-SIGTERM and a new process (the schemes take turns: each gets processes for 4-5
-architectures), so for every layer kind the files are read back by a process that shares
-nothing with the one that wrote them (no module state, no hash seed). The other two
-schemes' servers are the same configuration, engine and HTTP app inside the test process
-(``tests/inprocess.py``), restarted by stopping the engine and starting a new one on the
-same directories: a process start costs about 3 s of CPU (most of it imports), as much as
-all of a case's requests, and one per case and per restart were most of this file's time.
-Each case's server is launched while the case before it runs (``Launcher``).
+Every case's server is the configuration, engine and HTTP app of ``kvserve serve`` inside
+the test process (``tests/inprocess.py``), restarted by stopping the engine (which finishes
+its requests and flushes the disk writer, as SIGTERM does) and starting a new one on the same
+directories: the new engine's prefix cache starts empty in RAM, so what it finds it reads
+from the files. A process start costs about 3 s of CPU (most of it imports), as much as all
+of a case's requests. The restart of a real process (SIGTERM, a new process reading the
+files: no module state shared, no hash seed) is ``test_http.py``'s
+``test_a_restarted_server_reuses_prompt_cache_files``; the files themselves hold no
+process state (their keys are hashlib digests, ``cache/prefix``). Each case's server is
+launched while the case before it runs (``Launcher``).
 ``test_mlx_lm_decodes_it`` is the control: mlx-lm alone, with its own caches, loads the
 directory and decodes it. The start-up refusals: one as a process (its exit code and one
 line), the others in this process (the error that line prints).
@@ -54,7 +55,6 @@ import pytest
 
 from archs import ARCHS, make_tiny_model, prompt_tokens
 from inprocess import InProcessServer
-from servers import ServerProcess
 from together import together
 
 from kvserve.bench.soak import metrics
@@ -95,29 +95,21 @@ def arch_dir(arch, models) -> Path:
     return models(arch)
 
 
-def in_a_process(arch: str, scheme: str) -> bool:
-    """Whether a case's server is a ``kvserve serve`` process (one scheme per architecture,
-    taking turns: each scheme gets 4-5 architectures) or runs in this process."""
-    return SCHEMES[list(ARCHS).index(arch) % len(SCHEMES)] == scheme
-
-
 @dataclass
 class Served:
-    """A server of one model and scheme, with the directories a restart keeps: a process,
-    or the same configuration, engine and HTTP app in this one (``InProcessServer``)."""
+    """A server of one model and scheme in this process (``InProcessServer``), with the
+    directories a restart keeps."""
 
     model_dir: Path
     scheme: str
     cache_dir: Path
     prompt_cache_dir: Path
-    process: bool = True
-    proc: ServerProcess | InProcessServer | None = field(default=None, init=False)
+    proc: InProcessServer | None = field(default=None, init=False)
     client: httpx.Client | None = field(default=None, init=False)  # one per start: a client
     # costs 40 ms of CPU to make (its SSL context), a third of a request to these models
 
     def launch(self) -> "Served":
-        kind = ServerProcess if self.process else InProcessServer
-        self.proc = kind(self.model_dir, "--kv-scheme", self.scheme, "--cache-dir",
+        self.proc = InProcessServer(self.model_dir, "--kv-scheme", self.scheme, "--cache-dir",
                          str(self.cache_dir), "--prompt-cache-dir", str(self.prompt_cache_dir))
         self.client = httpx.Client(base_url=self.proc.base_url, timeout=TIMEOUT)
         return self
@@ -151,10 +143,9 @@ class Served:
 
 
 class Launcher:
-    """Launches each case's server while the case before it runs. A process takes about 3 s
-    of CPU to start (imports, loading, start-up checks), one in this process about 1.3 s (the
-    tokenizer's load and hash); waited for one after another, starts were much of the time
-    this file took."""
+    """Launches each case's server while the case before it runs. A server in this process
+    takes about 1.3 s of CPU to start (the tokenizer's load and hash); waited for one after
+    another, starts were much of the time this file took."""
 
     def __init__(self, order: list[tuple[str, str]], models: Callable[[str], Path], root: Path):
         self.order, self.models, self.root = order, models, root
@@ -175,7 +166,7 @@ class Launcher:
     def _launch(self, case: tuple[str, str]) -> Served:
         arch, scheme = case
         d = self.root / f"{arch}-{scheme}"
-        return Served(self.models(arch), scheme, d / "cache", d / "prompt-cache", in_a_process(arch, scheme)).launch()
+        return Served(self.models(arch), scheme, d / "cache", d / "prompt-cache").launch()
 
     def close(self) -> None:
         for server in self.pending.values():  # launched for a case that did not run (-x, -k)
@@ -333,7 +324,7 @@ def test_prefix_cache_serves_the_next_turn_across_a_restart(served, default_mode
         (cached_tokens(turn2), len(A), len(reply))
     again = served.complete(prompt, 8)
     assert cached_tokens(again) >= cached_tokens(turn2)
-    assert served.stop() == 0, served.log_tail()  # SIGTERM drains and flushes the disk writer
+    assert served.stop() == 0, served.log_tail()  # the engine finishes and flushes the disk writer
     served.start()
     restarted = served.complete(prompt, 8)
     assert cached_tokens(restarted) == cached_tokens(again)
