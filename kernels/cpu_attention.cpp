@@ -98,10 +98,30 @@ v16f exp_neg(v16f x) { return x <= -87.0f ? splat(0.0f) : exp_clamped(x); }
 enum Kind { RAW = 0, AFFINE = 1, TURBO = 2 };
 enum DType { F32 = 0, F16 = 1, BF16 = 2 };
 
+// One stored scalar as float32: float16 by the conversion instruction where there is one
+// (MLX's float16_t converts in software on x86), bfloat16 as the upper half of a float32.
+template <int DT>
+inline float scalar_as_float(const void* p, int64_t i) {
+  if constexpr (DT == F32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (DT == BF16) {
+    uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+  } else {
+#if defined(__F16C__)
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+#else
+    return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
+#endif
+  }
+}
+
 float element(const void* p, int dtype, int64_t i) {
-  if (dtype == F32) return static_cast<const float*>(p)[i];
-  if (dtype == F16) return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
-  return static_cast<float>(static_cast<const mx::bfloat16_t*>(p)[i]);
+  if (dtype == F32) return scalar_as_float<F32>(p, i);
+  if (dtype == F16) return scalar_as_float<F16>(p, i);
+  return scalar_as_float<BF16>(p, i);
 }
 
 // One stored component (keys or values) of a call.
@@ -283,68 +303,67 @@ inline v16f load_as_float(const uint8_t* row, int d) {
   else return widen_bf16(reinterpret_cast<const uint16_t*>(row) + d);
 }
 
-// Token rows [t, t + m) of a call, m <= 16: decoded float32 rows, or a raw component's rows
-// read where the cache stores them (no decoded copy).
-struct Rows {
-  const uint8_t* base;  // the first row
-  int64_t stride;  // bytes from one row to the next
-  int dtype;
+// A reader of a component's tokens from a first token on: ``at(t, d0)`` is values
+// [d0, d0 + 16) of token first + t, as float32, in the order dequant_token writes them (4-bit
+// codes permuted). Raw values are read where the cache stores them; affine and turbo tokens
+// are decoded to a buffer first, which the F32 reader then reads. (Decoding affine codes
+// inside the loops instead, 16 values per read, measured slower: each read reloads its
+// group's scale and bias.)
+template <int DT>
+struct RawReader {
+  const uint8_t* base;  // the first token
+  int64_t stride;  // bytes from one token to the next
+  v16f at(int t, int d0) const { return load_as_float<DT>(base + t * stride, d0); }
 };
 
-// m <= 16 token rows (D a multiple of 16) as one dimension-major block (``blk[d * 16 + i]``
-// = token i's d-th value), zeros for tokens past m.
-template <int DT>
-void to_dimension_major(Rows rows, int m, int D, float* blk) {
+// ``f(reader)`` with the reader of component c, pair (b, h), from token t0 on; ``tokens``:
+// the block decoded from t0 (affine, turbo), row length dim.
+template <class F>
+void with_reader(const Component& c, int b, int h, int t0, const float* tokens, int dim, F&& f) {
+  const uint8_t* base = c.data + b * c.data_stride[0] + h * c.data_stride[1] + t0 * c.data_stride[2];
+  const int64_t stride = c.data_stride[2];
+  if (c.kind == RAW) {
+    if (c.dtype == F16) f(RawReader<F16>{base, stride});
+    else if (c.dtype == BF16) f(RawReader<BF16>{base, stride});
+    else f(RawReader<F32>{base, stride});
+    return;
+  }
+  f(RawReader<F32>{reinterpret_cast<const uint8_t*>(tokens), int64_t(dim) * 4});
+}
+
+// Tokens [t, t + m) of a reader, m <= 16 (D a multiple of 16), as one dimension-major block
+// (``blk[d * 16 + i]`` = token t + i's d-th value), zeros for tokens past m.
+template <class R>
+void to_dimension_major(const R& rd, int t, int m, int D, float* blk) {
   for (int d0 = 0; d0 < D; d0 += 16) {
     v16f r[16];
-    for (int i = 0; i < 16; i++) r[i] = i < m ? load_as_float<DT>(rows.base + i * rows.stride, d0) : v16f{};
+    for (int i = 0; i < 16; i++) r[i] = i < m ? rd.at(t + i, d0) : v16f{};
     transpose16(r);
     for (int d = 0; d < 16; d++) store(blk + size_t(d0 + d) * 16, r[d]);
   }
 }
 
-void to_dimension_major(Rows rows, int m, int D, float* blk) {
-  if (rows.dtype == F16) to_dimension_major<F16>(rows, m, D, blk);
-  else if (rows.dtype == BF16) to_dimension_major<BF16>(rows, m, D, blk);
-  else to_dimension_major<F32>(rows, m, D, blk);
-}
-
 // acc[0 : 16 * NV] += p_t * v_t[d0 : d0 + 16 * NV] for tokens [t0, t1) in order, held in
-// registers; ``rows`` starts at token t0, ``p`` is the row's probabilities. A hidden slot
+// registers; the reader starts at t0, ``p`` is the row's probabilities. A hidden slot
 // (p == 0) never reads its V (it may hold stale values, even infinite ones).
-template <int NV, int DT>
-void accumulate(float* acc, const float* p, int t0, int t1, Rows rows, int d0) {
+template <int NV, class R>
+void accumulate(float* acc, const float* p, int t0, int t1, const R& rd, int d0) {
   v16f a[NV];
   for (int i = 0; i < NV; i++) a[i] = load(acc + 16 * i);
   for (int t = t0; t < t1; t++) {
     if (p[t] == 0.0f) continue;
     v16f w = splat(p[t]);
-    const uint8_t* v = rows.base + (t - t0) * rows.stride;
-    for (int i = 0; i < NV; i++) a[i] += w * load_as_float<DT>(v, d0 + 16 * i);
+    for (int i = 0; i < NV; i++) a[i] += w * rd.at(t - t0, d0 + 16 * i);
   }
   for (int i = 0; i < NV; i++) store(acc + 16 * i, a[i]);
 }
 
-template <int DT>
-void accumulate(float* acc, int nv, const float* p, int t0, int t1, Rows rows, int d0) {
-  if (nv == 4) accumulate<4, DT>(acc, p, t0, t1, rows, d0);
-  else if (nv == 3) accumulate<3, DT>(acc, p, t0, t1, rows, d0);
-  else if (nv == 2) accumulate<2, DT>(acc, p, t0, t1, rows, d0);
-  else accumulate<1, DT>(acc, p, t0, t1, rows, d0);
-}
-
-void accumulate(float* acc, int nv, const float* p, int t0, int t1, Rows rows, int d0) {
-  if (rows.dtype == F16) accumulate<F16>(acc, nv, p, t0, t1, rows, d0);
-  else if (rows.dtype == BF16) accumulate<BF16>(acc, nv, p, t0, t1, rows, d0);
-  else accumulate<F32>(acc, nv, p, t0, t1, rows, d0);
-}
-
-// Rows from token t of a component: where a raw one stores them, else the decoded block
-// ``tokens`` (decoded from token t0 on).
-Rows rows_of(const Component& c, int b, int h, int t, int t0, const float* tokens, int dim) {
-  if (c.kind == RAW)
-    return {c.data + b * c.data_stride[0] + h * c.data_stride[1] + t * c.data_stride[2], c.data_stride[2], c.dtype};
-  return {reinterpret_cast<const uint8_t*>(tokens + size_t(t - t0) * dim), int64_t(dim) * 4, F32};
+template <class R>
+void accumulate(float* acc, int nv, const float* p, int t0, int t1, const R& rd, int d0) {
+  if (nv == 4) accumulate<4>(acc, p, t0, t1, rd, d0);
+  else if (nv == 3) accumulate<3>(acc, p, t0, t1, rd, d0);
+  else if (nv == 2) accumulate<2>(acc, p, t0, t1, rd, d0);
+  else accumulate<1>(acc, p, t0, t1, rd, d0);
 }
 
 int items_per_pair(const Call& c) {
@@ -376,8 +395,10 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
     if (c.keys.kind != RAW)
       for (int t = t0; t < t1; t++) dequant_token(c.keys, b, h, t, tokens + size_t(t - t0) * D);
-    for (int j = t0; j < t1; j += 16)
-      to_dimension_major(rows_of(c.keys, b, h, j, t0, tokens, D), t1 - j < 16 ? t1 - j : 16, D, kt + size_t(j - t0) * D);
+    with_reader(c.keys, b, h, t0, tokens, D, [&](const auto& rd) {
+      for (int j = t0; j < t1; j += 16)
+        to_dimension_major(rd, j - t0, t1 - j < 16 ? t1 - j : 16, D, kt + size_t(j - t0) * D);
+    });
     for (int r0 = 0; r0 < n; r0 += kRowBlock) {
       int r1 = r0 + kRowBlock < n ? r0 + kRowBlock : n, quads = r0 + (r1 - r0) / 4 * 4;
       for (int j = t0; j < t1; j += 16) {
@@ -433,10 +454,11 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
     if (c.values.kind != RAW)
       for (int t = t0; t < t1; t++) dequant_token(c.values, b, h, t, tokens + size_t(t - t0) * Dv);
-    Rows rows = rows_of(c.values, b, h, t0, t0, tokens, Dv);
-    for (int r = 0; r < n; r++)
-      for (int d0 = 0; d0 < Dv; d0 += 64)
-        accumulate(acc + size_t(r) * Dv + d0, Dv - d0 < 64 ? (Dv - d0) / 16 : 4, s + size_t(r) * T, t0, t1, rows, d0);
+    with_reader(c.values, b, h, t0, tokens, Dv, [&](const auto& rd) {
+      for (int r = 0; r < n; r++)
+        for (int d0 = 0; d0 < Dv; d0 += 64)
+          accumulate(acc + size_t(r) * Dv + d0, Dv - d0 < 64 ? (Dv - d0) / 16 : 4, s + size_t(r) * T, t0, t1, rd, d0);
+    });
   }
   for (int r = 0; r < n; r++) {
     float* dst = c.out + ((size_t(b) * c.Hq + head_of(r)) * c.L + query_of(r)) * Dv;
