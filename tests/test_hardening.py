@@ -1,7 +1,10 @@
 """Hardening: malformed requests, limits, API key, CORS, health and the SIGTERM drain.
 
-The corpus and the lifecycle tests run the real server on the tiny random llama
-(context 512); the guard and health mappings also run in-process on a stub engine.
+The corpus, the API key and CORS, and the full queue run the server's configuration, engine,
+HTTP app and uvicorn in the test process (``tests/inprocess.py``) on the tiny random llama
+(context 512): the routes and the HTTP layer are what they check. The SIGTERM lifecycle tests
+run the real ``kvserve serve`` process (its signal handler, its drain, its exit code). The
+guard and health mappings also run on a stub engine.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import httpx
 import pytest
 
 from malformed_corpus import ANY, CORPUS, Case
+from inprocess import InProcessServer
 from servers import ServerProcess, make_tiny_llama, wait_for
 
 from kvserve.bench.soak import metrics
@@ -41,8 +45,8 @@ def send(base_url: str, case: Case, headers: dict | None = None) -> httpx.Respon
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    proc = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path_factory.mktemp("cache")),
-                         "--max-tokens", "8")
+    proc = InProcessServer(tiny_model_dir, "--cache-dir", str(tmp_path_factory.mktemp("cache")),
+                           "--max-tokens", "8")
     yield proc.wait_ready()
     assert proc.stop() == 0, proc.output()
 
@@ -110,8 +114,8 @@ def test_no_cors_headers_unless_configured(server):
 
 @pytest.fixture(scope="module")
 def secured(tiny_model_dir, tmp_path_factory):
-    proc = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path_factory.mktemp("cache")),
-                         "--max-tokens", "4", "--api-key", KEY, "--cors-origins", "https://app.example")
+    proc = InProcessServer(tiny_model_dir, "--cache-dir", str(tmp_path_factory.mktemp("cache")),
+                           "--max-tokens", "4", "--api-key", KEY, "--cors-origins", "https://app.example")
     yield proc.wait_ready()
     assert proc.stop() == 0, proc.output()
 
@@ -255,8 +259,8 @@ def test_a_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
     from together import together
 
     # Room for 2 in flight: 1 running (batch size 1) and 1 queued.
-    proc = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path), "--max-batch-size", "1",
-                         "--max-queued-requests", "1").wait_ready()
+    proc = InProcessServer(tiny_model_dir, "--cache-dir", str(tmp_path), "--max-batch-size", "1",
+                           "--max-queued-requests", "1").wait_ready()
     body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
     try:
         responses = together([lambda: httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=120)
