@@ -21,13 +21,14 @@ import threading
 import traceback
 from pathlib import Path
 
-from servers import free_port
+from servers import free_port, pinned_weight_format
 
 
 class InProcessServer:
     """Started on construction (loading in a thread of its own, as a process loads while
     the caller goes on); the interface of ``ServerProcess``, with ``error``: what a start
-    that failed raised (the command prints it in one line and exits 1)."""
+    that failed raised (the command prints it in one line and exits 1). The quantized models'
+    weight format is pinned, as ``ServerProcess``'s (``servers.pinned_weight_format``)."""
 
     def __init__(self, model: Path | str, *extra: str):
         from kvserve.server import cli
@@ -36,7 +37,8 @@ class InProcessServer:
         self.args = extra
         self.base_url = f"http://127.0.0.1:{self.port}"
         args = cli._parser().parse_args(["serve", "--model", str(model), "--port", str(self.port),
-                                         "--log-level", "warning", *extra])
+                                         "--log-level", "warning", *extra,
+                                         *pinned_weight_format(model, extra)])
         self.config = cli._serve_config(args)
         self.lines: list[str] = []  # the start-up lines the command prints
         self.error: BaseException | None = None
