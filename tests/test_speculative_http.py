@@ -3,7 +3,8 @@ model (SmolLM2-135M-Instruct), and with ``--speculative draft`` on a tiny model 
 layers that add nothing, drafted by the tiny model itself (no smaller model with the real
 model's tokenizer ships on PyPI), a server answers exactly what one without speculation
 answers, streamed or not, greedy or seeded, with stop strings and max_tokens, and counts
-its proposals.
+its proposals. The servers run in the test process (``tests/inprocess.py``): the replies and
+the counters are what is checked, not the process.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import httpx
 import openai
 import pytest
 from archs import make_padded_model, make_tiny_model, prompt_tokens
-from servers import ServerProcess, on_gpu
+from inprocess import InProcessServer
+from servers import on_gpu
 
 TEXT = (Path(__file__).resolve().parents[1] / "server/engine/data/eval-gpl-3.0.txt").read_text().split()
 PASSAGES = [" ".join(TEXT[200 + 150 * i : 200 + 150 * i + 120]) for i in range(4)]
@@ -31,8 +33,8 @@ def servers(default_model_dir, tmp_path_factory):
     started = {}
     for mode in ("off", "ngram"):
         cache = tmp_path_factory.mktemp(f"spec-{mode}")
-        started[mode] = ServerProcess(default_model_dir, "--cache-dir", str(cache), "--speculative", mode,
-                                      "--prompt-cache-disk-gb", "0", "--max-batch-size", "4")
+        started[mode] = InProcessServer(default_model_dir, "--cache-dir", str(cache), "--speculative", mode,
+                                        "--prompt-cache-disk-gb", "0", "--max-batch-size", "4")
     for proc in started.values():
         proc.wait_ready()
     yield started
@@ -111,8 +113,8 @@ def drafted(default_model_dir, tmp_path_factory):
     draft = make_tiny_model("llama", root / "draft", default_model_dir, seed=1)
     pinned = root / "draft.toml"
     pinned.write_text("[engine]\ndraft_cost = 0.1\n")
-    started = {mode: ServerProcess(target, "--cache-dir", str(root / mode), "--prompt-cache-disk-gb", "0",
-                                   "--max-batch-size", "4", *args)
+    started = {mode: InProcessServer(target, "--cache-dir", str(root / mode), "--prompt-cache-disk-gb", "0",
+                                     "--max-batch-size", "4", *args)
                for mode, args in (("off", ()), ("draft", ("--speculative", "draft", "--draft-model", str(draft),
                                                           "--config", str(pinned))))}
     for proc in started.values():
