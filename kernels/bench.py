@@ -1,10 +1,12 @@
 """``kvserve bench-attention``: decode attention over fp16 and compressed K/V, one run.
 
     kvserve bench-attention [--device cpu|gpu] [--json] [--contexts 1024,2048,4096] [--profile]
+                            [--heads 32:8] [--head-dim 128]
 
 For each context T: fp16 ``mx.fast.scaled_dot_product_attention``, mlx-lm's unfused
 quantized path on 4-bit K/V, and ours for affine4, mxfp4, turbo0v4 and turbo8v3 (on a
-GPU also affine8); B=8, 32 query heads over 8 KV heads, D=128, L=1. Ours is, on the CPU,
+GPU also affine8); B=8, 32 query heads over 8 KV heads, D=128, L=1 (``--heads 9:3
+--head-dim 64``: the default model's attention). Ours is, on the CPU,
 the full path, the blockwise reference and the CPU kernel (``kvserve.kernels.cpu_attention``,
 for the formats it reads; "dispatch" marks the one ``kvserve.kernels.dispatch`` picks at
 that T); on an NVIDIA GPU, the CUDA kernels of
@@ -38,6 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated T values (default 1024,2048,4096; GPU {GPU_CONTEXTS})")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--heads", default="32:8", help="query heads:KV heads (the default model: 9:3)")
+    p.add_argument("--head-dim", type=int, default=128, help="D (the default model: 64)")
     p.add_argument("--profile", action="store_true",
                    help="on a GPU, add the kernels' own device time (CUPTI through torch.profiler)")
     return p.parse_args(argv)
@@ -64,7 +68,7 @@ def plan(schemes=SCHEMES, device: str = "cpu") -> list[tuple[str, str]]:
 
 
 def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu",
-            profile: bool = False) -> dict:
+            profile: bool = False, heads: tuple[int, int] = (32, 8), head_dim: int = 128) -> dict:
     import mlx.core as mx
     from kvserve.kernels import bench_cases as bc
 
@@ -74,7 +78,7 @@ def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu",
     from kvserve.kernels.cpu_attention import available
 
     for T in contexts:
-        shape = bc.Shape(batch, 32, 8, 128, T)
+        shape = bc.Shape(batch, *heads, head_dim, T)
         if device == "gpu" and (row := bc.torch_sdpa(shape, repeats, calls)):
             results["runs"].append({"T": T, **row, "dispatch": ""})
         for scheme, impl in plan(schemes, device):
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     default = GPU_CONTEXTS if args.device == "gpu" else "1024,2048,4096"
     contexts = [int(t) for t in (args.contexts or default).split(",") if t]
-    results = run_all(contexts, args.batch, args.repeats, args.device, args.profile)
+    heads = tuple(int(h) for h in args.heads.split(":"))
+    results = run_all(contexts, args.batch, args.repeats, args.device, args.profile, heads, args.head_dim)
     print(json.dumps(results, indent=1) if args.json else table(results))
     return 0
 
