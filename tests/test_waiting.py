@@ -1,5 +1,7 @@
 """Requests that wait: SSE keep-alives while a stream has nothing to send, and the queue-wait
-timeout, on the real server (tiny random llama, one request at a time)."""
+timeout, on the server's configuration, engine, HTTP app and uvicorn in the test process
+(``tests/inprocess.py``; tiny random llama, one request at a time): the streams and the
+queue are what is checked, not the process."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from servers import ServerProcess
+from inprocess import InProcessServer
 
 from kvserve.bench.soak import metrics
 
@@ -19,12 +21,12 @@ BLOCKER = {"model": "default", "prompt": "Once upon a time", "max_tokens": 480, 
            "stream": True}
 
 
-def start_server(model_dir, tmp_path, *flags: str, keepalive_s: float = 0.05) -> ServerProcess:
+def start_server(model_dir, tmp_path, *flags: str, keepalive_s: float = 0.05) -> InProcessServer:
     """Batch size 1, so a second request waits while one runs; keep-alives every ``keepalive_s``."""
     config = tmp_path / "waiting.toml"
     config.write_text(f"[http]\nsse_keepalive_s = {keepalive_s}\n")
-    return ServerProcess(model_dir, "--cache-dir", str(tmp_path), "--config", str(config),
-                         "--max-batch-size", "1", *flags).wait_ready()
+    return InProcessServer(model_dir, "--cache-dir", str(tmp_path), "--config", str(config),
+                           "--max-batch-size", "1", *flags).wait_ready()
 
 
 def sse_body(base_url: str, route: str, body: dict) -> str:
