@@ -277,22 +277,17 @@ inline void score4(const float* q, int D, const float* blk, float* dst, int T, i
   put(dst + 3 * T, a3, m);
 }
 
-// One row against four full blocks of 16 tokens (``blk``: four D x 16 blocks one after
-// another), each lane summed exactly as score1 does: four independent chains instead of one.
-inline void score1x4(const float* q, int D, const float* blk, float* dst) {
-  v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  const float *b0 = blk, *b1 = blk + 16 * D, *b2 = blk + 32 * D, *b3 = blk + 48 * D;
+// One row against N full blocks of 16 tokens (``blk``: N D x 16 blocks one after another),
+// each lane summed exactly as score1 does: N independent chains instead of one (eight keep
+// both FMA units busy through their latency).
+template <int N>
+inline void score1xN(const float* q, int D, const float* blk, float* dst) {
+  v16f a[N] = {};
   for (int d = 0; d < D; d++) {
     v16f x = splat(q[d]);
-    a0 += x * load(b0 + d * 16);
-    a1 += x * load(b1 + d * 16);
-    a2 += x * load(b2 + d * 16);
-    a3 += x * load(b3 + d * 16);
+    for (int i = 0; i < N; i++) a[i] += x * load(blk + size_t(i) * 16 * D + d * 16);
   }
-  store(dst, a0);
-  store(dst + 16, a1);
-  store(dst + 32, a2);
-  store(dst + 48, a3);
+  for (int i = 0; i < N; i++) store(dst + 16 * i, a[i]);
 }
 
 // 16 values of a token row stored as DT (F32, F16 or BF16), as float32.
@@ -406,11 +401,13 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
         int m = t1 - j < 16 ? t1 - j : 16;
         for (int r = r0; r < quads; r += 4) score4(qp + size_t(r) * D, D, blk, s + size_t(r) * T + j, T, m);
       }
-      // The rows left over (a decode step's n_rep rows, often 1-3): four token blocks at once.
+      // The rows left over (a decode step's n_rep rows, often 1-3): eight token blocks at once.
       for (int r = quads; r < r1; r++) {
         int j = t0;
+        for (; j + 128 <= t1; j += 128)
+          score1xN<8>(qp + size_t(r) * D, D, kt + size_t(j - t0) * D, s + size_t(r) * T + j);
         for (; j + 64 <= t1; j += 64)
-          score1x4(qp + size_t(r) * D, D, kt + size_t(j - t0) * D, s + size_t(r) * T + j);
+          score1xN<4>(qp + size_t(r) * D, D, kt + size_t(j - t0) * D, s + size_t(r) * T + j);
         for (; j < t1; j += 16)
           score1(qp + size_t(r) * D, D, kt + size_t(j - t0) * D, s + size_t(r) * T + j, t1 - j < 16 ? t1 - j : 16);
       }
