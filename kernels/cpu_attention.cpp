@@ -137,24 +137,13 @@ struct Component {
   bool permuted;  // 4-bit codes come out permuted (see dequant_token)
 };
 
-// One token of ``c`` (D values, float32) into ``out``. 4-bit codes come out permuted within
+// One affine or turbo token of ``c`` (D values, float32) into ``out`` (raw tokens are read
+// where they are stored: RawReader). 4-bit codes come out permuted within
 // each 32: the 16 even elements, then the 16 odd ones (byte j holds elements 2j and 2j + 1);
 // queries are permuted the same way and outputs permuted back.
 void dequant_token(const Component& c, int b, int h, int t, float* out) {
   const uint8_t* p = c.data + b * c.data_stride[0] + h * c.data_stride[1] + t * c.data_stride[2];
   int64_t so = b * c.scale_stride[0] + h * c.scale_stride[1] + t * c.scale_stride[2];
-  if (c.kind == RAW) {
-    if (c.dtype == F32) {
-      std::memcpy(out, p, c.dim * sizeof(float));
-      return;
-    }
-    // fp16 caches store 16-bit floats: 16 at a time, the rest (D not a multiple of 16) one by one.
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
-    int d = 0;
-    for (; d + 16 <= c.dim; d += 16) store(out + d, c.dtype == F16 ? widen_f16(h + d) : widen_bf16(h + d));
-    for (; d < c.dim; d++) out[d] = element(p, c.dtype, d);
-    return;
-  }
   if (c.kind == AFFINE) {
     for (int k = 0; k < c.dim; k += 32) {
       v16f s = splat(element(c.scales, c.dtype, so + k / c.group));
