@@ -115,6 +115,15 @@ class _Buffered:
     def trim(self, n: int) -> int:
         return self._buf.trim(n)
 
+    def unpack(self, parts: list[mx.array]) -> list[mx.array]:
+        """Storage parts -> the scheme's parts (``state``, files); a codec that stores its
+        parts in another arrangement (``cache.affine``'s records) overrides both."""
+        return list(parts)
+
+    def pack(self, parts: list[mx.array]) -> list[mx.array]:
+        """The scheme's parts -> storage parts (``from_state``)."""
+        return list(parts)
+
     def begin_decode(self) -> None:
         """Decoding starts (or a verify chunk follows): a family that keeps prompts in a
         prefill form takes its decode form here. Stored families have one form."""
@@ -174,7 +183,7 @@ class StoredKVCache(_Buffered):
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        return tuple(self._buf.views())
+        return tuple(self.unpack(self._buf.views()))
 
     @property
     def meta_state(self) -> dict[str, str]:
@@ -190,7 +199,7 @@ class StoredKVCache(_Buffered):
                                  f"of one row, got {len(state)} of {state[0].shape[0]}")
             if any(a.shape[2] != offset for a in state):
                 raise ValueError(f"state holds {state[0].shape[2]} tokens, meta says {offset}")
-            cache._buf = GrowableBuffer.adopt(state, offset)
+            cache._buf = GrowableBuffer.adopt(cache.pack(list(state)), offset)
         elif offset:
             raise ValueError(f"empty state with offset {offset}")
         return cache
@@ -339,7 +348,7 @@ class BatchStoredKVCache(_Buffered):
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        return tuple(self._buf.views())
+        return tuple(self.unpack(self._buf.views()))
 
     @property
     def meta_state(self) -> dict[str, str]:
@@ -354,7 +363,7 @@ class BatchStoredKVCache(_Buffered):
             if len(state) != batch.n_parts() or any(a.shape[2] != size or a.shape[0] != len(padding)
                                                      for a in state):
                 raise ValueError(f"state of shape {state[0].shape} does not match meta {meta}")
-            batch._buf = GrowableBuffer.adopt(state, size)
+            batch._buf = GrowableBuffer.adopt(batch.pack(list(state)), size)
         return batch
 
     def __repr__(self) -> str:

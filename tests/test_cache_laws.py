@@ -124,6 +124,31 @@ def test_buffer_appends_several_parts_together():
     assert buf.nbytes == 2 * 8 * 5 * 4 + 2 * 8 * 1
 
 
+@pytest.mark.parametrize("name", ["affine4", "affine8-g32", "mxfp4"])
+def test_quantize_caches_store_two_records_and_show_the_scheme_s_parts(name):
+    """``cache.affine``'s storage: codes of K and V in one array, scales (and biases) in
+    another, so a step writes two slices; ``state`` is exactly ``mx.quantize``'s parts, and a
+    cache rebuilt from it stores the same records. K and V of different head sizes (no record
+    holds both) keep one array per part."""
+    from kvserve.cache.affine import quantize_parts
+
+    scheme = parse_scheme(name)
+    cache = make_layer_cache(scheme)
+    keys, values = kv(1, 2, 5, 64, seed=7)
+    cache.update_and_fetch(keys, values)
+    parts = quantize_parts(keys, scheme.keys) + quantize_parts(values, scheme.values)
+    widths = [p.shape[-1] for p in parts]
+    n = len(parts) // 2
+    assert [(p.shape[-1], p.dtype) for p in cache._buf.parts] == [(2 * widths[0], mx.uint32),
+                                                                  (2 * sum(widths[1:n]), parts[1].dtype)]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(cache.state, parts, strict=True))
+    rebuilt = type(cache).from_state(scheme, cache.state, cache.meta_state)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(rebuilt._buf.parts, cache._buf.views(), strict=True))
+    apart = make_layer_cache(scheme)
+    apart.update_and_fetch(keys, mx.concatenate([values, values], axis=-1))  # D_v = 2 D_k
+    assert len(apart._buf.parts) == len(parts) and len(apart.state) == len(parts)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", LAW_SCHEMES)
 def test_growth_counts_and_prefill_larger_than_capacity(name, kind):

@@ -300,6 +300,65 @@ def test_the_turbo_encoder_kernel_matches_the_mlx_encoder_on_gpu(D, bits, dtype)
     assert mx.array_equal(packed[:, :, -1], ref_packed[:, :, -1]).item()
 
 
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("scheme", ["affine4", "affine8", "affine4-g32", "affine8-g128"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_the_affine_encoder_kernel_matches_mx_quantize_on_gpu(D, scheme, dtype):
+    """One kernel (``kernels/cuda_quantize``) writes the records that ``pack_record`` makes of
+    ``mx.quantize``'s parts: equal scales and biases, and equal codes but where a quotient
+    lies within a rounding error of .5 (one level, at most one in a thousand); rows of zeros
+    (padding) encode as MLX encodes them."""
+    from kvserve.cache.affine import code_levels, pack_record
+    from kvserve.kernels import cuda_quantize
+
+    fmt = parse_scheme(scheme).keys
+    if D % fmt.group_size:
+        pytest.skip("group larger than the head")
+    k, v = (mx.random.normal((8, 3, 5, D), key=mx.random.key(D + i)).astype(dtype) * 3 for i in (0, 1))
+    k, v = (mx.concatenate([x, mx.zeros((8, 3, 1, D), dtype=dtype)], axis=2) for x in (k, v))
+    v = mx.contiguous(v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # a strided view, as models give
+    assert cuda_quantize.serves(k, v, fmt.bits, fmt.group_size)
+    codes, side = cuda_quantize.encode_record(k, v, fmt.bits, fmt.group_size)
+    ref_codes, ref_side = pack_record(quantize_parts(k, fmt), quantize_parts(v, fmt))
+    assert (codes.shape, codes.dtype, side.shape, side.dtype) == (ref_codes.shape, mx.uint32, ref_side.shape, dtype)
+    assert mx.allclose(side.astype(mx.float32), ref_side.astype(mx.float32), rtol=1e-3, atol=1e-6).item()
+    apart = mx.abs(code_levels(codes, fmt.bits) - code_levels(ref_codes, fmt.bits))
+    assert mx.max(apart).item() <= 1 and mx.sum(apart).item() <= max(1, apart.size // 1000)
+    assert mx.array_equal(codes[:, :, -1], ref_codes[:, :, -1]).item()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("scheme", ["affine4", "affine8-g32"])
+def test_attention_over_an_affine_cache_s_records_matches_the_reference_on_gpu(scheme):
+    """The cache's stored parts are views of its two records (strided, at offsets); the
+    fused kernels read them where they are and agree with the reference over copies."""
+    from kvserve.cache import BatchQuantizedKVCache
+
+    s = parse_scheme(scheme)
+    cache = BatchQuantizedKVCache(s, [0, 2, 1])
+    k, v = (mx.random.normal((3, 2, 40, 128), key=mx.random.key(i)).astype(mx.float16) for i in (3, 4))
+    cache.update_and_fetch(k, v)
+    mask = cache.make_mask(1)  # before the step's append, as the models ask for it
+    keys, values = cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    assert len(cache._buf.parts) == 2 and keys[0].shape[2] == 41
+    q = mx.random.normal((3, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
+    got = dispatch.attend(q, QuantizedFormat(s.keys), keys, QuantizedFormat(s.values), values, 0.1, mask)
+    copies = tuple(mx.contiguous(a) for a in keys), tuple(mx.contiguous(a) for a in values)
+    want = dispatch.reference(q, QuantizedFormat(s.keys), copies[0], QuantizedFormat(s.values), copies[1], 0.1, mask)
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=4e-3, rtol=1e-2).item()
+
+
+def test_the_affine_encoder_kernel_serves_only_a_cuda_gpu_and_its_shapes():
+    from kvserve.kernels import cuda_quantize
+
+    x = mx.zeros((2, 3, 1, 64), dtype=mx.float16)
+    assert cuda_quantize.serves(x, x, 4, 64) is ON_CUDA
+    assert not cuda_quantize.serves(mx.zeros((2, 1, 1, 96)), mx.zeros((2, 1, 1, 96)), 4, 32)  # D not 64/128/256
+    assert not cuda_quantize.serves(x, mx.zeros((2, 3, 1, 128), dtype=mx.float16), 4, 64)  # K and V differ
+    assert not cuda_quantize.serves(x, x, 2, 64) and not cuda_quantize.serves(x, x, 4, 16)
+
+
 def test_the_turbo_encoder_kernel_serves_only_a_cuda_gpu_and_its_shapes():
     from kvserve.cache.turbo_codec import get_codec
     from kvserve.kernels import cuda_encode
