@@ -308,6 +308,11 @@ def main(argv: list[str]) -> int:
             print("kvserve bench: give --url or at least one --target", file=sys.stderr)
             return 2
         targets = [Target.parse(t) for t in args.target]
+        labels = [t.label for t in targets]
+        if args.baseline and args.baseline not in labels:  # found out now, not after the runs
+            print(f"kvserve bench: --baseline {args.baseline!r} is none of the targets' labels: "
+                  f"{', '.join(dict.fromkeys(labels))}", file=sys.stderr)
+            return 2
         model_dir = Path(args.model) if args.model else default_model_dir()
         args.chat = not args.completions and has_chat_template(model_dir)
         prompts = sized_prompts(args, tokenizer_counter(model_dir))

@@ -44,6 +44,14 @@ def test_bench_runs_kvserve_and_the_mlx_lm_peer_in_one_run(tiny_model_dir, tmp_p
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_baseline_no_target_bears_is_refused_before_any_run(capsys):
+    from kvserve.bench.cli import main
+
+    assert main(["--target", "kvserve:", "--target", "mlx_lm:", "--baseline", "mlx_lm"]) == 2
+    assert capsys.readouterr().err.strip() == ("kvserve bench: --baseline 'mlx_lm' is none of the targets' "
+                                               "labels: kvserve serve, mlx_lm.server")
+
+
 def test_llama_targets_serve_the_gguf_the_model_came_from(default_model_dir, tmp_path):
     """``llama:`` targets run llama-server on the GGUF the model directory was converted
     from (so both compute with the same weights), with this machine's cores unless told;
