@@ -230,8 +230,7 @@ class AffineCodec:
         """The scheme's parts (a file, a snapshot) -> storage parts, as ``encode`` makes them."""
         n = parts_per_component(self.scheme.keys)
         keys, values = list(parts[:n]), list(parts[n:])
-        same = keys[0].shape[-1] == values[0].shape[-1] and keys[1].dtype == values[1].dtype
-        return pack_record(keys, values) if same else list(parts)
+        return pack_record(keys, values) if keys[0].shape[-1] == values[0].shape[-1] else list(parts)
 
     def present(self, parts: list[mx.array]) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
         parts = self.unpack(parts)
