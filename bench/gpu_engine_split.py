@@ -6,8 +6,9 @@ step: the Python time to build the queued step's graph (the model and the sample
 time ``mx.async_eval`` takes to hand it to the device (it returns only once MLX lets that
 much work be in flight), and the time to read the previous step's tokens back. Medians
 over the last 3/4 of ``--steps``, per scheme. ``--model default`` runs the served default
-model instead; ``--functions N`` then lists the N functions with the most Python time
-inside the graph building of those steps (cProfile, own time), where the host's time goes.
+model instead; ``--functions N`` also lists the N functions with the most Python time
+(cProfile, own time) inside every forward call of the run, prefill included: where the
+host's time goes.
 
     python bench/gpu_engine_split.py --schemes fp16,affine4 --context 16384 --batch 8
     python bench/gpu_engine_split.py --model default --context 200 --functions 25

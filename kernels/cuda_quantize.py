@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+from kvserve.kernels.cuda_attention import cuda_ready
 from kvserve.kernels.cuda_layout import kernel_name
 
 HEAD_DIMS = (64, 128, 256)
@@ -91,12 +92,7 @@ ENCODE_BODY = r"""
 _C_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
 
 
-@functools.cache
-def _cuda() -> bool:
-    try:
-        return bool(mx.cuda.is_available())
-    except AttributeError:  # an MLX without the cuda module
-        return False
+_cuda = functools.cache(cuda_ready)  # asked once per layer and step: the answer does not change
 
 
 def serves(keys: mx.array, values: mx.array, bits: int, group: int) -> bool:
