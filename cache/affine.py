@@ -45,7 +45,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvserve.cache.base import BatchStoredKVCache, StoredKVCache, apply_mask, grouped_mask
-from kvserve.cache.buffer import DEFAULT_GRANULE
+from kvserve.cache.buffer import DEFAULT_GRANULE, GrowableBuffer
 from kvserve.cache.registry import register
 from kvserve.cache.scheme import ComponentFormat, KVScheme
 
@@ -251,8 +251,42 @@ class AffineCodec:
 
 
 class QuantizedKVCache(AffineCodec, StoredKVCache):
+    """One sequence's affine cache. Besides ``state`` (six parts), a prefix-cache snapshot
+    in memory keeps the layer as ``stored`` (its two records, exactly ``offset`` tokens):
+    two copies to take instead of six, and ``from_stored`` adopts them with no copy at all,
+    where ``from_state`` concatenates the six parts back into records. ``state_of`` gives a
+    file the six parts of stored records (views).
+
+        >>> from kvserve.cache.scheme import parse_scheme
+        >>> layer = QuantizedKVCache(parse_scheme("affine4"))
+        >>> _ = layer.update_and_fetch(mx.ones((1, 2, 3, 64)), mx.ones((1, 2, 3, 64)))
+        >>> [a.shape for a in layer.stored], len(layer.state)
+        ([(1, 2, 3, 16), (1, 2, 3, 4)], 6)
+        >>> copy = QuantizedKVCache.from_stored(layer.scheme, layer.stored, layer.meta_state)
+        >>> copy.offset, [a.shape[-1] for a in QuantizedKVCache.state_of(layer.scheme, copy.stored)]
+        (3, [8, 1, 1, 8, 1, 1])
+    """
+
     def __init__(self, scheme: KVScheme, granule: int = DEFAULT_GRANULE):
         super().__init__(scheme, granule)
+
+    @property
+    def stored(self) -> tuple[mx.array, ...]:
+        return tuple(self._buf.views())
+
+    @classmethod
+    def from_stored(cls, scheme: KVScheme, stored: tuple[mx.array, ...], meta: dict[str, str]) -> QuantizedKVCache:
+        cache = cls(scheme)
+        offset = int(meta.get("offset", 0))
+        if any(a.shape[0] != 1 or a.shape[2] != offset for a in stored):
+            raise ValueError(f"stored arrays of shapes {[a.shape for a in stored]} do not hold one row of {offset} tokens")
+        if stored:
+            cache._buf = GrowableBuffer.adopt(list(stored), offset)
+        return cache
+
+    @classmethod
+    def state_of(cls, scheme: KVScheme, stored: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+        return tuple(cls(scheme).unpack(list(stored)))
 
 
 class BatchQuantizedKVCache(AffineCodec, BatchStoredKVCache):

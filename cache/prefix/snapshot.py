@@ -1,7 +1,8 @@
 """Entries in memory: a ``PromptCache`` copied into compact arrays, and back.
 
 A ``Snapshot`` keeps each layer's class name, scheme, ``state`` arrays (exactly ``offset``
-tokens, in the layer's own quantized form) and ``meta_state``. Taking one copies the arrays
+tokens, in the layer's own quantized form; an affine layer's ``stored`` records, two arrays
+where its state has six) and ``meta_state``. Taking one copies the arrays
 out of the caller's growable buffers, so the caller's next append neither changes the entry
 nor has to copy a buffer the entry still shares.
 
@@ -36,9 +37,11 @@ layers or a checkpoint's.
     ...     _ = layer.update_and_fetch(mx.ones((1, 2, 5, 64)), mx.ones((1, 2, 5, 64)))
     >>> snap = take_snapshot(PromptCache(layers, "affine8"))
     >>> snap.num_tokens, snap.spans, snap.layers[0].cls_name, len(snap.layers[0].arrays)
-    (5, ((1, 5),), 'QuantizedKVCache', 6)
-    >>> snap.layers[0].arrays[0].shape        # (B, H_kv, T, D*8/32): offset tokens, not capacity
-    (1, 2, 5, 16)
+    (5, ((1, 5),), 'QuantizedKVCache', 2)
+    >>> snap.layers[0].arrays[0].shape        # K|V codes (B, H_kv, T, 2*D*8/32): offset tokens
+    (1, 2, 5, 32)
+    >>> [a.shape[-1] for a in snap.layers[0].state()]   # what a file holds: the six parts
+    [16, 1, 1, 16, 1, 1]
     >>> copy = restore(snap, 3)
     >>> copy.offset, snap.num_tokens          # a trimmed copy; the snapshot is unchanged
     (3, 5)
@@ -69,17 +72,34 @@ MX_DTYPES = {v: k for k, v in ST_DTYPES.items()}
 
 @dataclass(frozen=True)
 class LayerState:
-    """One layer as ``from_state`` takes it back."""
+    """One layer as ``from_state`` takes it back, or, where ``stored``, as the layer stores
+    it (``from_stored``: an affine layer's two records, not its six parts)."""
 
     cls_name: str
     scheme: KVScheme
     arrays: tuple[mx.array, ...]  # (1, H_kv, T, W_i) parts, then per-family extras
     meta: dict[str, str]
     reach: int = 0  # how many last tokens a copy can drop exactly
+    stored: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
+
+    def state(self) -> tuple[mx.array, ...]:
+        """The layer's ``state`` (what a file holds)."""
+        return cache_class_by_name(self.cls_name).state_of(self.scheme, self.arrays) if self.stored else self.arrays
+
+    def layer(self) -> Any:
+        """A new layer holding these arrays."""
+        cls = cache_class_by_name(self.cls_name)
+        return (cls.from_stored if self.stored else cls.from_state)(self.scheme, self.arrays, self.meta)
+
+
+def _kept(layer: Any) -> tuple[tuple[mx.array, ...], bool]:
+    """What a snapshot copies of a layer: ``stored`` where its class keeps another
+    arrangement than ``state`` (fewer, larger arrays), else ``state``."""
+    return (tuple(layer.stored), True) if hasattr(type(layer), "from_stored") else (tuple(layer.state), False)
 
 
 @dataclass(frozen=True)
@@ -161,10 +181,11 @@ def reaches(cache: PromptCache) -> list[int]:
 
 def layer_states(layers: Sequence[Any], reach: Sequence[int]) -> tuple[LayerState, ...]:
     """Every layer's state, packed into one allocation."""
-    states = [tuple(layer.state) for layer in layers]  # exactly offset tokens each
-    packed = iter(pack([a for state in states for a in state]))
-    return tuple(LayerState(type(layer).__name__, layer.scheme, tuple(next(packed) for _ in state),
-                            dict(layer.meta_state), r) for layer, state, r in zip(layers, states, reach))
+    kept = [_kept(layer) for layer in layers]  # exactly offset tokens each
+    packed = iter(pack([a for arrays, _ in kept for a in arrays]))
+    return tuple(LayerState(type(layer).__name__, layer.scheme, tuple(next(packed) for _ in arrays),
+                            dict(layer.meta_state), r, stored)
+                 for layer, (arrays, stored), r in zip(layers, kept, reach))
 
 
 def take_snapshot(cache: PromptCache, checkpoints: Sequence[Checkpoint] = ()) -> Snapshot:
@@ -232,7 +253,7 @@ def restore(snap: Snapshot, num_tokens: int) -> PromptCache:
         if num_tokens < have - state.reach:
             cp = source(snap.checkpoints, i, num_tokens)
             state, have = dict(cp.layers)[i], cp.num_tokens
-        layer = cache_class_by_name(state.cls_name).from_state(state.scheme, state.arrays, state.meta)
+        layer = state.layer()
         if num_tokens < have:
             layer.trim(have - num_tokens)
         layers.append(layer)
@@ -243,7 +264,7 @@ def restore(snap: Snapshot, num_tokens: int) -> PromptCache:
 
 def _describe(prefix: str, i: int, s: LayerState, offset: int) -> tuple[str, str]:
     return f"{prefix}.{i}", json.dumps({"class": s.cls_name, "params": s.scheme.params(), "offset": offset,
-                                        "meta": s.meta, "tensors": len(s.arrays), "reach": s.reach})
+                                        "meta": s.meta, "tensors": len(s.state()), "reach": s.reach})
 
 
 def _parts(snap: Snapshot) -> Iterator[tuple[str, int, LayerState, int]]:
@@ -274,11 +295,14 @@ def host_tensors(snap: Snapshot) -> list[tuple[str, str, np.ndarray]]:
     writer thread). Call on the thread that owns the arrays."""
     out = []
     for prefix, i, s, _ in _parts(snap):
-        for j, a in enumerate(s.arrays):
+        arrays = s.state()  # views of stored records: numpy keeps their strides, the writer copies
+        mx.eval(arrays)
+        for j, a in enumerate(arrays):
+            st_dtype = ST_DTYPES[a.dtype]
             if a.dtype == mx.bfloat16:
                 a = a.view(mx.uint16)
                 mx.eval(a)
-            out.append((f"{prefix}.{i}.{j}", ST_DTYPES[s.arrays[j].dtype], np.asarray(a)))
+            out.append((f"{prefix}.{i}.{j}", st_dtype, np.asarray(a)))
     return out
 
 

@@ -7,6 +7,7 @@ not done here; ``kvserve.server.engine.model_loader`` does that with what this r
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -64,13 +65,14 @@ def load_bundle(config: ModelConfig, *, kv_scheme: str = "", blas: str = "",
         bundle = load_bundle(ModelConfig(model="gemma3-270m", weight_format="as-loaded"))
         bundle.info.model_id, bundle.info.context_length  # ('gemma3-270m', 32768)
     """
-    import mlx_lm
-
     from kvserve.server.models.weights import apply_weight_format, choose_weight_format
+
+    from mlx_lm.utils import load_model
 
     source = resolve_model(config.model, config.resolved_cache_dir(), progress)
     try:
-        model, tokenizer, model_config = mlx_lm.load(str(source), return_config=True)
+        model, model_config = load_model(Path(source))  # what mlx_lm.load does, in two steps
+        tokenizer = load_tokenizer(Path(source), model_config.get("eos_token_id"))
     except Exception as exc:  # mlx-lm raises many types; the user needs one line
         raise ModelLoadError(f"cannot load model {source}: {type(exc).__name__}: {exc}") from None
     if check is not None:
@@ -99,6 +101,34 @@ def load_bundle(config: ModelConfig, *, kv_scheme: str = "", blas: str = "",
     )
     log.info("model ready: %s", info.describe())
     return ModelBundle(model=model, tokenizer=tokenizer, config=model_config, info=info)
+
+
+_TOKENIZERS: dict[tuple, Any] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+_TOKENIZERS_KEPT = 4
+
+
+def load_tokenizer(model_dir: Path, eos_token_id: Any = None) -> Any:
+    """mlx-lm's ``TokenizerWrapper`` of ``model_dir``, one per process for the same files.
+
+    Loading one takes about 0.6 s of CPU (Python parsing its JSON twice, the vocabulary
+    listed twice); a process that starts several servers on one model (tests, benchmarks,
+    an engine restarted in place) loads it once. The object is only read after loading
+    (each request takes its own detokenizer copy), so sharing it changes nothing a server
+    does. Known by the folder, the model's EOS ids and each non-weight file's name, size
+    and modification time: a changed file loads anew.
+    """
+    from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer
+
+    stats = [(f.name, f.stat()) for f in model_dir.iterdir() if f.is_file() and f.suffix != ".safetensors"]
+    files = tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
+    key = (str(model_dir.resolve()), repr(eos_token_id), files)
+    with _TOKENIZERS_LOCK:  # servers of one process load on threads of their own
+        if key not in _TOKENIZERS:
+            if len(_TOKENIZERS) >= _TOKENIZERS_KEPT:
+                _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+            _TOKENIZERS[key] = mlx_lm_tokenizer(model_dir, eos_token_ids=eos_token_id)
+        return _TOKENIZERS[key]
 
 
 def _agree(choice, group):

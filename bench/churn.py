@@ -1,0 +1,173 @@
+"""Where a served run's time goes while requests come and go: the engine without HTTP.
+
+``kvserve bench``'s workload (``--requests`` chats of about ``--prompt-tokens`` tokens, each
+a different passage behind the same instruction, greedy, ``--max-tokens`` out, kept
+``--concurrency`` in flight: a request is submitted as one finishes) driven straight into
+the real ``Engine`` (the model as ``kvserve serve`` loads it on this device, its warm-up, its
+prefix cache). The runner's phases are timed, wall clock on the engine thread, inclusive
+(``complete`` holds ``offer``; ``decode`` holds the ``join`` of rows that arrive with it):
+
+  * ``decode``: building the step's forward (or taking the one queued ahead) and queueing it;
+  * ``ahead``: building and queueing the next step's forward while this one runs;
+  * ``read``: waiting for a step's tokens (what the device still had to do);
+  * ``prefill``: a prompt's forward, ``complete`` (converting the raw prefill to the scheme,
+    ``offer``: a snapshot into the prefix cache), ``join``: the new row into the batch;
+  * ``release``: a finished request's ``offer`` and its row leaving the batch (``keep``);
+  * ``undo``: dropping the step queued ahead when the rows change.
+
+Each scheme runs ``--rounds`` times on the same prompts, each round on a new engine (its
+warm-up served, its prefix cache empty) in the same process: what a later round saves is
+what the process keeps from the first (MLX's buffers, compiled kernels). Printed per round: wall seconds, output tokens/s, TTFT p50, the kernel files the device's cache
+folder gained (a GPU compiling while requests wait), the prefix cache's entries on disk,
+and each phase's milliseconds per request. On a CPU, call it as the server runs (``enable_fast_blas`` first: it does).
+
+    python bench/churn.py --schemes fp16,affine4 --requests 32 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+PHASES = {"decode": "_decode", "ahead": "_queue_ahead", "read": "_read", "prefill": "_prefill",
+          "complete": "_complete", "offer": "_offer", "join": "_join", "release": "release", "keep": "_keep",
+          "undo": "_undo_ahead"}
+COLUMNS = (*PHASES, "offer wait")
+
+
+def waited(clocks: dict, fn):
+    """``_offer`` that first evaluates the offered cache (clock ``offer wait``: the prefill
+    or queued step it still depends on), so ``offer`` is the snapshot's own time."""
+    def wrapper(self, tokens, cache, *rest):
+        import mlx.core as mx
+
+        t0 = time.perf_counter()
+        mx.eval(cache.state)
+        clocks["offer wait"].append(time.perf_counter() - t0)
+        return fn(self, tokens, cache, *rest)
+    return wrapper
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--schemes", default="fp16,affine4")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-prefix-cache", action="store_true")
+    return p.parse_args(argv)
+
+
+def run_round(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int, list[float]]:
+    """Seconds, output tokens and TTFTs of ``prompts`` kept ``concurrency`` in flight."""
+    from kvserve.server.engine.request import Request, SamplingParams
+
+    pending, lock, done = list(prompts), threading.Lock(), threading.Event()
+    live = {"running": 0, "tokens": 0}
+    ttft: list[float] = []
+
+    def submit() -> None:
+        tokens = pending.pop()
+        request = Request(tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        start = time.perf_counter()
+        first = []
+
+        def sink(event) -> None:
+            with lock:
+                if not first:
+                    first.append(time.perf_counter())
+                    ttft.append(first[0] - start)
+                if event.finish_reason is None:
+                    return
+                live["tokens"] += event.usage.completion_tokens
+                live["running"] -= 1
+                if pending:
+                    live["running"] += 1
+                    submit()
+                elif not live["running"]:
+                    done.set()
+
+        engine.submit(request, sink)
+
+    t0 = time.perf_counter()
+    with lock:
+        for _ in range(min(concurrency, len(pending))):
+            live["running"] += 1
+            submit()
+    done.wait()
+    return time.perf_counter() - t0, live["tokens"], ttft
+
+
+def one_round(scheme: str, model, texts: list[str], args, blas: str) -> tuple:
+    """The same prompts on a new engine (its warm-up served, an empty prefix cache in a folder
+    of its own): a later round differs from the first only by what the process keeps (MLX's
+    buffers and compiled kernels). Returns seconds, tokens, TTFTs, kernel files compiled
+    and prefix-cache entries on disk."""
+    from kvserve.cache import parse_scheme
+    from kvserve.configs import CacheConfig, EngineConfig
+    from kvserve.server.engine.device import kernel_files
+    from kvserve.server.engine.loop import Engine
+    from kvserve.server.engine.model_loader import make_loader
+
+    folder = tempfile.mkdtemp(prefix="kvserve-churn-")
+    cache = None if args.no_prefix_cache else CacheConfig(kv_scheme=scheme, prompt_cache_dir=folder)
+    engine = Engine(make_loader(model, parse_scheme(scheme), blas, cache=cache), EngineConfig())
+    loaded = engine.start()
+    prompts = [list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
+               for t in texts]
+    kernels = kernel_files(loaded.device) if loaded.device is not None else 0
+    seconds, tokens, ttft = run_round(engine, prompts, args.concurrency, args.max_tokens)
+    compiled = (kernel_files(loaded.device) if loaded.device is not None else 0) - kernels
+    prefix = loaded.runner.prefix  # the engine is idle after the round
+    disk = prefix.stats()["disk_entries"] if prefix is not None else 0
+    engine.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+    return seconds, tokens, ttft, compiled, disk
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kvserve.server.models.blas import enable_fast_blas
+
+    blas = enable_fast_blas()
+    import mlx.core as mx
+
+    from kvserve.bench.cli import default_model_dir, make_prompts, tokenizer_counter
+    from kvserve.configs import ModelConfig
+    from kvserve.server.engine.runner import ModelRunner
+
+    from gpu_engine_split import timed
+
+    clocks: dict[str, list[float]] = defaultdict(list)
+    for name, attr in PHASES.items():
+        setattr(ModelRunner, attr, timed(clocks, name, getattr(ModelRunner, attr)))
+    ModelRunner._offer = waited(clocks, ModelRunner._offer)  # outside its clock
+    model = ModelConfig()
+    texts = make_prompts(args.requests, args.prompt_tokens, tokenizer_counter(default_model_dir()))
+    print(f"device: {mx.device_info().get('device_name', mx.default_device())}, mlx {mx.__version__}; "
+          f"the default model, {args.requests} requests, {args.concurrency} in flight, "
+          f"~{args.prompt_tokens} prompt tokens, {args.max_tokens} out")
+    print("| scheme | round | s | tok/s | TTFT p50 ms | compiled | on disk | "
+          + " | ".join(f"{p} ms/req" for p in COLUMNS) + " |\n" + "|---" * (7 + len(COLUMNS)) + "|", flush=True)
+    for scheme in args.schemes.split(","):
+        for rnd in range(args.rounds):
+            clocks.clear()
+            seconds, tokens, ttft, compiled, disk = one_round(scheme, model, texts, args, blas.describe())
+            per = " | ".join(f"{1e3 * sum(clocks[p]) / args.requests:.1f}" for p in COLUMNS)
+            print(f"| {scheme} | {rnd + 1} | {seconds:.2f} | {tokens / seconds:.1f} | "
+                  f"{1e3 * statistics.median(ttft):.0f} | {compiled} | {disk} | {per} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
