@@ -362,25 +362,30 @@ def test_missing_tensor(tmp_path):
 
 # --- resolution and caching ----------------------------------------------------------
 
-def test_conversion_is_cached(tmp_path, default_gguf):
+def test_conversion_is_cached(tmp_path):
+    """On a tiny GGUF (the rule is the file's, not the model's: the default model's takes 5 s
+    a conversion, and ``test_resolve_other_specs`` converts it)."""
     cache = tmp_path / "cache"
-    first = resolve_model(str(default_gguf), cache)
+    gguf = tmp_path / "src" / "tiny.Q8_0.gguf"
+    gguf.parent.mkdir()
+    tiny_model(gguf, np.random.default_rng(0))
+    first = resolve_model(str(gguf), cache)
     weights = first / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert resolve_model(str(default_gguf), cache) == first
+    assert resolve_model(str(gguf), cache) == first
     assert weights.stat().st_mtime_ns == stamp
     record = json.loads((first / "kvserve.json").read_text())
-    assert first.name == f"SmolLM2-135M-Instruct.Q4_1-{record['sha256'][:12]}"
+    assert first.name == f"tiny.Q8_0-{record['sha256'][:12]}"
     # A copy with a new mtime is recognized by its hash, not converted again.
-    copied = tmp_path / default_gguf.name
-    shutil.copy(default_gguf, copied)
+    copied = tmp_path / gguf.name
+    shutil.copy(gguf, copied)
     os.utime(copied, ns=(stamp, stamp + 10**9))
     assert gguf_model_dir(copied, cache) == first and weights.stat().st_mtime_ns == stamp
     # A conversion from another converter version is redone.
     record["converter_version"] = 0
     (first / "kvserve.json").write_text(json.dumps(record))
-    assert resolve_model(str(default_gguf), cache) == first
-    assert weights.stat().st_mtime_ns != stamp and sha256_file(default_gguf) == record["sha256"]
+    assert resolve_model(str(gguf), cache) == first
+    assert weights.stat().st_mtime_ns != stamp and sha256_file(gguf) == record["sha256"]
 
 
 def test_resolve_other_specs(tmp_path, default_model_dir):
