@@ -17,9 +17,10 @@ prefix cache). The runner's phases are timed, wall clock on the engine thread, i
 
 Each scheme runs ``--rounds`` times on the same prompts, each round on a new engine (its
 warm-up served, its prefix cache empty) in the same process: what a later round saves is
-what the process keeps from the first (MLX's buffers, compiled kernels). Printed per round: wall seconds, output tokens/s, TTFT p50, the kernel files the device's cache
-folder gained (a GPU compiling while requests wait), the prefix cache's entries on disk,
-and each phase's milliseconds per request. On a CPU, call it as the server runs (``enable_fast_blas`` first: it does).
+what the process keeps from the first (MLX's buffers, compiled kernels). Printed per
+round: wall seconds, output tokens/s, TTFT p50, the kernel files the device's cache folder
+gained (a GPU compiling while requests wait), the prefix cache's entries on disk, and each
+phase's milliseconds per request. The CPU computes with the server's BLAS, as ``serve``.
 
     python bench/churn.py --schemes fp16,affine4 --requests 32 --concurrency 8
 """

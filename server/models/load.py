@@ -65,14 +65,18 @@ def load_bundle(config: ModelConfig, *, kv_scheme: str = "", blas: str = "",
         bundle = load_bundle(ModelConfig(model="gemma3-270m", weight_format="as-loaded"))
         bundle.info.model_id, bundle.info.context_length  # ('gemma3-270m', 32768)
     """
-    from kvserve.server.models.weights import apply_weight_format, choose_weight_format
-
+    import mlx_lm
     from mlx_lm.utils import load_model
+
+    from kvserve.server.models.weights import apply_weight_format, choose_weight_format
 
     source = resolve_model(config.model, config.resolved_cache_dir(), progress)
     try:
-        model, model_config = load_model(Path(source))  # what mlx_lm.load does, in two steps
-        tokenizer = load_tokenizer(Path(source), model_config.get("eos_token_id"))
+        if Path(source).is_dir():  # what mlx_lm.load does, in two steps
+            model, model_config = load_model(Path(source))
+            tokenizer = load_tokenizer(Path(source), model_config.get("eos_token_id"))
+        else:  # a Hugging Face repository: mlx-lm fetches it
+            model, tokenizer, model_config = mlx_lm.load(str(source), return_config=True)
     except Exception as exc:  # mlx-lm raises many types; the user needs one line
         raise ModelLoadError(f"cannot load model {source}: {type(exc).__name__}: {exc}") from None
     if check is not None:
