@@ -15,6 +15,11 @@ import pytest
 # so a whole run and one file alone now compute alike.
 from kvserve.server.models.blas import enable_fast_blas  # noqa: E402
 
+# Under pytest-xdist each worker, and each server it starts, computes with one OpenBLAS
+# thread: workers already keep every core busy, and two threads per worker on 2 cores made
+# every test take twice as long (docs/testing.md, seventh round). Set before the first call.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("KVSERVE_BLAS_THREADS", "1")
 enable_fast_blas()
 
 
