@@ -115,9 +115,9 @@ _TOKENIZERS_KEPT = 4
 def load_tokenizer(model_dir: Path, eos_token_id: Any = None) -> Any:
     """mlx-lm's ``TokenizerWrapper`` of ``model_dir``, one per process for the same files.
 
-    Loading one takes about 0.6 s of CPU (Python parsing its JSON twice, the vocabulary
-    listed twice); a process that starts several servers on one model (tests, benchmarks,
-    an engine restarted in place) loads it once. The object is only read after loading
+    Loading one takes about 0.6 s of CPU (transformers parsing its JSON in Python, the
+    vocabulary listed several times); a process that starts several servers on one model
+    (tests, benchmarks, an engine restarted in place) loads it once. The object is only read after loading
     (each request takes its own detokenizer copy), so sharing it changes nothing a server
     does. Known by the folder, the model's EOS ids and each non-weight file's name, size
     and modification time: a changed file loads anew.
