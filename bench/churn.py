@@ -108,10 +108,10 @@ def run_round(engine, prompts: list[list[int]], concurrency: int, max_tokens: in
     return time.perf_counter() - t0, live["tokens"], ttft
 
 
-def one_round(scheme: str, model, texts: list[str], args, blas: str) -> tuple:
+def one_round(scheme: str, model, texts: list[str], args, blas: str, clocks: dict) -> tuple:
     """The same prompts on a new engine (its warm-up served, an empty prefix cache in a folder
     of its own): a later round differs from the first only by what the process keeps (MLX's
-    buffers and compiled kernels). Returns seconds, tokens, TTFTs, kernel files compiled
+    buffers and compiled kernels). ``clocks`` restart after the warm-up. Returns seconds, tokens, TTFTs, kernel files compiled
     and prefix-cache entries on disk."""
     from kvserve.cache import parse_scheme
     from kvserve.configs import CacheConfig, EngineConfig
@@ -123,6 +123,7 @@ def one_round(scheme: str, model, texts: list[str], args, blas: str) -> tuple:
     cache = None if args.no_prefix_cache else CacheConfig(kv_scheme=scheme, prompt_cache_dir=folder)
     engine = Engine(make_loader(model, parse_scheme(scheme), blas, cache=cache), EngineConfig())
     loaded = engine.start()
+    clocks.clear()  # the warm-up ran through the same phases: only the round's own count
     prompts = [list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
                for t in texts]
     kernels = kernel_files(loaded.device) if loaded.device is not None else 0
@@ -162,8 +163,7 @@ def main(argv=None) -> int:
           + " | ".join(f"{p} ms/req" for p in COLUMNS) + " |\n" + "|---" * (7 + len(COLUMNS)) + "|", flush=True)
     for scheme in args.schemes.split(","):
         for rnd in range(args.rounds):
-            clocks.clear()
-            seconds, tokens, ttft, compiled, disk = one_round(scheme, model, texts, args, blas.describe())
+            seconds, tokens, ttft, compiled, disk = one_round(scheme, model, texts, args, blas.describe(), clocks)
             per = " | ".join(f"{1e3 * sum(clocks[p]) / args.requests:.1f}" for p in COLUMNS)
             print(f"| {scheme} | {rnd + 1} | {seconds:.2f} | {tokens / seconds:.1f} | "
                   f"{1e3 * statistics.median(ttft):.0f} | {compiled} | {disk} | {per} |", flush=True)

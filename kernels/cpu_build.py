@@ -73,10 +73,8 @@ def _build(name: str, source: Path, cache: Path) -> Path:
     again beside it. nanobind's own source, the larger half of every build, is compiled
     once into an object that every extension links (``_nanobind_object``), at the same time
     as the extension's source."""
-    import mlx
     import nanobind
 
-    mlx_dir = Path(mlx.__path__[0])
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     text = source.read_text() + "".join(h.read_text() for h in sorted(source.parent.glob("*.h")))
     key = "|".join([text, " ".join(_FLAGS), mx.__version__, nanobind.__version__, sys.version, platform.machine(), _cpu_flags()])
@@ -89,22 +87,29 @@ def _build(name: str, source: Path, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if out.exists():  # built by the process that held the lock before
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            nb_object = _nanobind_object(cxx, cache)
-            jobs = [(source, Path(tmp) / f"{name}.o")]
-            if not nb_object.exists():
-                jobs.append((Path(nanobind.source_dir()) / "nb_combined.cpp", Path(tmp) / "nb_combined.o"))
-            _compile(cxx, _compile_flags(source.parent, mlx_dir), jobs)
-            if len(jobs) == 2:
-                nb_object.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(jobs[1][1], nb_object)
-            lib = Path(tmp) / out.name
-            _link(cxx, [jobs[0][1], nb_object], mlx_dir, lib)
-            os.replace(lib, out)
+        if not out.exists():  # else built by the process that held the lock before
+            _build_locked(cxx, source, out, cache)
     return out
+
+
+def _build_locked(cxx: str, source: Path, out: Path, cache: Path) -> None:
+    import mlx
+    import nanobind
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        nb_object = _nanobind_object(cxx, cache)
+        jobs = [(source, Path(tmp) / f"{source.stem}.o")]
+        if not nb_object.exists():
+            jobs.append((Path(nanobind.source_dir()) / "nb_combined.cpp", Path(tmp) / "nb_combined.o"))
+        mlx_dir = Path(mlx.__path__[0])
+        _compile(cxx, _compile_flags(source.parent, mlx_dir), jobs)
+        if len(jobs) == 2:
+            nb_object.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(jobs[1][1], nb_object)
+        lib = Path(tmp) / out.name
+        _link(cxx, [jobs[0][1], nb_object], mlx_dir, lib)
+        os.replace(lib, out)  # atomic: a process that did not wait never sees half a file
 
 
 def _compile_flags(include: Path, mlx_dir: Path) -> list[str]:

@@ -256,15 +256,19 @@ def _stop_when_down(engine, server) -> None:
     server.should_exit = True
 
 
-def _watch_peers(channel, lost) -> None:
+def _watch_peers(channel, lost):
     """Call ``lost(reason)`` when a peer's connection closes before the group closed
-    (``PeerWatch``; ring backend)."""
+    (``PeerWatch``); returns the ring's sockets (``RingSockets``; None: not the ring
+    backend)."""
     from kvserve.configs import ring_hosts
-    from kvserve.server.engine.distributed import PeerWatch
+    from kvserve.server.engine.distributed import PeerWatch, RingSockets
 
     placement = ring_hosts()
-    if placement is not None:
-        PeerWatch(channel, placement[1], lost).start()
+    if placement is None:
+        return None
+    ring = RingSockets(channel.rank, placement[1])
+    PeerWatch(channel, ring, lost).start()
+    return ring
 
 
 def _share_cores() -> None:
@@ -313,8 +317,8 @@ def _follow(config: ServerConfig, scheme, blas: str, group, device) -> int:
         _exit_now(1)
 
     channel = Channel(group)
-    _watch_peers(channel, lost)
-    return follow(loaded.runner, channel)
+    ring = _watch_peers(channel, lost)
+    return follow(loaded.runner, channel, ring.wait if ring is not None else lambda: None)
 
 
 def _draining_server(base: type) -> type:

@@ -33,6 +33,11 @@ LONGEST_FIRST = ("test_real_model.py", "test_architectures.py", "test_distribute
                  "test_structured_output.py", "test_hardening.py")
 
 
+def pytest_configure(config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected

@@ -100,8 +100,7 @@ def metric(server, name: str, http=httpx) -> dict[str, float]:
 @pytest.fixture(scope="class", params=["fp16", "affine4"])
 def pair(request, kv3_model, tmp_path_factory):
     """One process and two processes, same model, scheme and weight format, for the tests of
-    one class: a module-scoped fixture's last instance would live to the end of the module,
-    its rank 1 polling a core all the while as it waits for rank 0's next message."""
+    one class: a module-scoped fixture's last instance would live to the end of the module."""
     scheme = request.param
     cache = tmp_path_factory.mktemp(f"dist-{scheme}")
     common = ("--cache-dir", str(cache), "--kv-scheme", scheme, "--prompt-cache-disk-gb", "0", *SAME)
@@ -169,6 +168,17 @@ class TestOneAndTwoProcesses:
         assert all(len(r.choices) == 2 and {c.finish_reason for c in r.choices} <= {"stop", "length"}
                    for r in replies)
         assert httpx.get(f"{two.base_url}/health").status_code == 200
+
+    @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads a process's CPU time from /proc")
+    def test_an_idle_follower_rank_waits_without_using_a_core(self, pair):
+        """Rank 1 waiting for rank 0's next message (heartbeats, 1 s apart) sleeps in the
+        kernel: the ring backend alone polls its sockets and held a core at 100% (5.0 s of
+        CPU in 5 s). Three seconds idle may cost it a few heartbeats' worth, not a core."""
+        _, two = pair
+        ask(two, PROMPTS[0], max_tokens=1)  # whatever ran before has finished
+        before = _cpu_seconds(two.pid(1))
+        time.sleep(3.0)  # the span measured, not a wait for an event
+        assert _cpu_seconds(two.pid(1)) - before < 0.3
 
     def test_each_rank_reports_its_kv_bytes(self, pair):
         _, two = pair
@@ -307,6 +317,12 @@ def _kill_mid_stream(two, victim: int) -> None:
     codes = two.wait_exit(60 - (time.monotonic() - killed_at))
     assert codes[survivor] == 1, two.output()
     assert f"rank {survivor} of 2: lost rank {victim}" in two.output(survivor)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (``/proc/PID/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _health_not_ok(server) -> bool:
