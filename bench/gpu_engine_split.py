@@ -12,6 +12,8 @@ host's time goes.
 
     python bench/gpu_engine_split.py --schemes fp16,affine4 --context 16384 --batch 8
     python bench/gpu_engine_split.py --model default --context 200 --functions 25
+    python bench/gpu_engine_split.py --model default --context 200 --batch 8 --steps 30 \
+        --device cpu --rewrites fused_projections --functions 35   # the GPU profile's Python, on a CPU
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ def main(argv=None) -> int:
     p = parser(__doc__, "fp16,affine4", 24)
     p.add_argument("--model", choices=("8b-shape", "default"), default="8b-shape")
     p.add_argument("--functions", type=int, default=0, metavar="N")
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
+                   help="cpu: the host's Python profile of the same graph without a GPU")
+    p.add_argument("--rewrites", default="profile",
+                   help="model rewrites: 'profile' (the device profile's), 'none', or names with commas")
     args = p.parse_args(argv)
     import mlx.core as mx
     from kvserve.server.engine.fastpath import apply_rewrites
@@ -63,12 +69,13 @@ def main(argv=None) -> int:
     forward = ModelRunner._forward
     ModelRunner._read = timed(clocks, "read", ModelRunner._read)
     mx.async_eval = timed(clocks, "async_eval", mx.async_eval)
-    mx.set_default_device(mx.gpu)
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    rewrites = chosen_rewrites(args.rewrites)
     if args.model == "default":
-        model, shape = served_model(chosen_rewrites("profile")), "the default model"
+        model, shape = served_model(rewrites), "the default model"
     else:
         model, shape = build_model(args.layers), f"llama 8B shape, {args.layers} layers, f16"
-        apply_rewrites(model, chosen_rewrites("profile"))
+        apply_rewrites(model, rewrites)
     print(f"device: {mx.device_info().get('device_name', mx.default_device())}, mlx {mx.__version__}; "
           f"{shape}, batch {args.batch}, context {args.context}")
     print("| scheme | step ms | build ms | async_eval ms | read ms |\n|---|---|---|---|---|")
