@@ -44,10 +44,11 @@ def build_model(layers: int):
     return model
 
 
-def served_model(rewrites: tuple[str, ...]):
-    """The default model as ``kvserve serve`` loads it on this device (weight format, and
-    the device profile with ``rewrites``): the small model whose decode step is bound by
-    the host's kernel launches rather than by bytes."""
+def served_model(rewrites: tuple[str, ...], spec: str | None = None):
+    """A model as ``kvserve serve --model SPEC`` loads it on this device (weight format, and
+    the device profile with ``rewrites``). The default model (``spec`` None) is the small
+    one whose decode step is bound by the host's kernel launches rather than by bytes; a
+    ``bench/shaped_model.py`` directory is a real model's shape with its weight format."""
     from dataclasses import replace
 
     from kvserve.cache import parse_scheme
@@ -55,7 +56,7 @@ def served_model(rewrites: tuple[str, ...]):
     from kvserve.server.engine.device import choose_profile
     from kvserve.server.engine.model_loader import load_model
 
-    config = ModelConfig()
+    config = ModelConfig(model=spec)
     device = replace(choose_profile(config.resolved_cache_dir()), rewrites=rewrites)
     return load_model(config, parse_scheme("fp16"), "reference", device=device).runner.model
 
@@ -217,8 +218,9 @@ def parser(doc: str, schemes: str, steps: int) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser(__doc__, "fp16,affine4,turbo0v4", 24)
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    p.add_argument("--model", choices=("8b-shape", "default"), default="8b-shape",
-                   help="default: the served default model instead (--layers is ignored)")
+    p.add_argument("--model", default="8b-shape",
+                   help="'default': the served default model instead; or a model directory "
+                        "(bench/shaped_model.py), loaded as kvserve serves it (--layers is ignored)")
     p.add_argument("--profile", nargs="?", type=int, const=6, default=0, metavar="TOP",
                    help="after each loop, its kernels' device time per step and the TOP kernels "
                         "that take most of it, with their launches per step (CUPTI, needs PyTorch)")
@@ -234,8 +236,9 @@ def main(argv=None) -> int:
         model = build_model(args.layers)
         apply_rewrites(model, rewrites)
     else:
-        model = served_model(rewrites)
-    shape = f"llama 8B shape, {args.layers} layers, f16" if args.model == "8b-shape" else "the default model"
+        model = served_model(rewrites, None if args.model == "default" else args.model)
+    shape = {"8b-shape": f"llama 8B shape, {args.layers} layers, f16", "default": "the default model"}.get(
+        args.model, args.model)
     print(f"device: {mx.device_info().get('device_name', mx.default_device())}, mlx {mx.__version__}; "
           f"{shape}, batch {args.batch}, context {args.context}, rewrites {', '.join(rewrites) or 'none'}")
     print("| scheme | loop | step ms (median) | output tok/s | K/V GiB |\n|---|---|---|---|---|")

@@ -118,7 +118,9 @@ class CacheConfig:
     prefix cache: prompt caches kept in RAM, spilled to files that survive restarts."""
 
     kv_scheme: str = "fp16"
-    prompt_cache_ram_gb: float = 1.0  # 0: no RAM tier
+    # 0: no RAM tier; None: an eighth of the machine's memory, at least 1 GiB (a GPU serving
+    # an 8B model keeps a 16K-token fp16 prompt, 2 GiB, where a fixed 1 GiB kept none).
+    prompt_cache_ram_gb: float | None = None
     prompt_cache_disk_gb: float = 8.0  # 0: no SSD tier
     # None: <model cache dir>/prompt-cache/<model, tokenizer and scheme>; one directory per
     # namespace, as files of another namespace are evicted first.
@@ -131,12 +133,13 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require(self.prompt_cache_checkpoint_tokens >= 0, "cache.prompt_cache_checkpoint_tokens must be >= 0")
-        _require(self.prompt_cache_ram_gb >= 0, "cache.prompt_cache_ram_gb must be >= 0")
+        _require(self.prompt_cache_ram_gb is None or self.prompt_cache_ram_gb >= 0,
+                 "cache.prompt_cache_ram_gb must be >= 0")
         _require(self.prompt_cache_disk_gb >= 0, "cache.prompt_cache_disk_gb must be >= 0")
 
     @property
     def prefix_enabled(self) -> bool:
-        return self.prompt_cache_ram_gb > 0 or self.prompt_cache_disk_gb > 0
+        return self.prompt_cache_ram_gb != 0 or self.prompt_cache_disk_gb > 0
 
 
 @dataclass(frozen=True)

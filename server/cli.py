@@ -56,7 +56,8 @@ def _model_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--weight-format", help="'auto' (measure at start-up) or a format name")
     serve.add_argument("--kv-scheme", help="KV cache scheme: fp16 (default), affine8, affine4, "
                                            "mxfp4, mxfp8, nvfp4, turbo0v4, turbo8v3, ...")
-    serve.add_argument("--prompt-cache-ram-gb", type=float, help="prefix cache in RAM (default 1; 0: off)")
+    serve.add_argument("--prompt-cache-ram-gb", type=float, help="prefix cache in RAM "
+                       "(default: 1/8 of memory, at least 1 GiB; 0: off)")
     serve.add_argument("--prompt-cache-disk-gb", type=float,
                        help="prefix cache files kept across restarts (default 8; 0: off)")
     serve.add_argument("--prompt-cache-dir", help="where prefix cache files go (default: "

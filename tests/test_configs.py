@@ -56,3 +56,15 @@ def test_speculative_settings_refused_with_their_reason(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         EngineConfig(**kwargs)
     assert EngineConfig(speculative="draft", draft_model="m").draft_model == "m"
+
+
+def test_prompt_cache_ram_defaults_to_a_share_of_memory_and_zero_turns_it_off():
+    from kvserve.configs import CacheConfig
+
+    cfg = load_config("default", {})
+    assert cfg.cache.prompt_cache_ram_gb is None and cfg.cache.prefix_enabled
+    assert load_config("default", {"cache.prompt_cache_ram_gb": 2.5}).cache.prompt_cache_ram_gb == 2.5
+    assert not CacheConfig(prompt_cache_ram_gb=0, prompt_cache_disk_gb=0).prefix_enabled
+    assert CacheConfig(prompt_cache_ram_gb=None, prompt_cache_disk_gb=0).prefix_enabled
+    with pytest.raises(ConfigError, match="cache.prompt_cache_ram_gb must be >= 0"):
+        CacheConfig(prompt_cache_ram_gb=-1)

@@ -368,3 +368,35 @@ def test_the_turbo_encoder_kernel_serves_only_a_cuda_gpu_and_its_shapes():
     assert cuda_encode.serves(x, codec.pi, 4) is ON_CUDA
     assert not cuda_encode.serves(mx.zeros((2, 96)), get_codec(96, 4, 43).pi, 4)  # D not 64/128/256
     assert not cuda_encode.serves(x, codec.pi, 8)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (4, 128), (8, 64)])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_few_rows_qmv_equals_mlx_quantized_matmul(bits, group, dtype):
+    """2 to 8 rows, a width whose words do not fill the kernel's last pass (1152 = 9 x 128)
+    and an output count that leaves a block part-empty (390); through the rewrite's module,
+    which hands 1 row and 9 rows back to MLX."""
+    import mlx.nn as nn
+    from kvserve.kernels import cuda_qmv
+    from kvserve.server.engine.few_rows import FewRowsQuantizedLinear, install_few_rows
+
+    K, N = 1152, 390
+    w = (mx.random.normal((N, K), key=mx.random.key(3)) * 0.05).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+    for M in range(1, 10):
+        x = mx.random.normal((1, M, K), key=mx.random.key(M)).astype(dtype)
+        ref = mx.quantized_matmul(x.astype(mx.float32), wq, s.astype(mx.float32), b.astype(mx.float32),
+                                  transpose=True, group_size=group, bits=bits)
+        assert cuda_qmv.serves(x, wq, s, group, bits, "affine") is (2 <= M <= cuda_qmv.MAX_ROWS)
+        if 2 <= M <= cuda_qmv.MAX_ROWS:
+            got = cuda_qmv.quantized_matmul(x, wq, s, b, group, bits)
+            assert got.shape == (1, M, N) and got.dtype == dtype
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref), rtol=0.02, atol=0.02)
+    linear = nn.QuantizedLinear(K, N, bias=True, group_size=group, bits=bits)
+    linear.set_dtype(dtype)
+    plain = {n: linear(mx.ones((1, n, K), dtype)) for n in (1, 8, 9)}
+    assert install_few_rows(linear) == 1 and type(linear) is FewRowsQuantizedLinear
+    for n, before in plain.items():
+        np.testing.assert_allclose(np.array(linear(mx.ones((1, n, K), dtype)).astype(mx.float32)),
+                                   np.array(before.astype(mx.float32)), rtol=0.02, atol=0.05)

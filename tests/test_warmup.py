@@ -23,7 +23,7 @@ def _ropes(model) -> set[type]:
     return {type(m) for _, m in model.named_modules() if isinstance(m, (nn.RoPE, TableRoPE))}
 
 
-@pytest.mark.parametrize("backend, rope, rewrites", [("cpu", TableRoPE, CPU_REWRITES), ("cuda", nn.RoPE, ("fused_projections",)),
+@pytest.mark.parametrize("backend, rope, rewrites", [("cpu", TableRoPE, CPU_REWRITES), ("cuda", nn.RoPE, ("fused_projections", "few_rows_qmv")),
                                                     ("metal", nn.RoPE, ())])
 def test_each_device_gets_its_own_rewrites(tiny_model_dir, tmp_path, backend, rope, rewrites):
     """The CPU's table RoPE (slower on a GPU, where mx.fast.rope is one kernel) is installed

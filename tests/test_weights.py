@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -107,6 +108,22 @@ def test_choose_measures_every_candidate_and_picks_the_fastest():
     line = choice.describe()
     assert "\n" not in line and choice.name in line
     assert close(weights.apply_weight_format(model, choice)(TOKENS), tiny_model()(TOKENS))
+
+
+def test_a_candidate_far_behind_the_best_is_not_probed_further(monkeypatch):
+    """A candidate >= _SLOW_FACTOR behind the best on one matrix gets neither the sample
+    pass nor the prefill probe (its one-row cost stands for both); a first call that
+    overruns its deadline is not repeated. Pinned by counting calls, not by clocks."""
+    model = tiny_model()
+    mods = weights._matmul_modules(model)
+    bench = weights._Bench(weights._sample(mods), 10**6)
+    calls = []
+    monkeypatch.setattr(weights._Bench, "_decode_sample", lambda *a: calls.append("sample") or 1e-9)
+    t = bench.run(weights.AS_LOADED, mx.float32, time.perf_counter() + 5, best_ms=1e-12)
+    assert t["decode"] == t["prefill"] > 0 and calls == []
+    ran = []
+    weights._time(lambda: ran.append(1) or [mx.zeros(1)], deadline=time.perf_counter() - 1, least=3)
+    assert len(ran) == 1
 
 
 def test_explicit_format_is_taken_as_is_and_unknown_is_refused():

@@ -7,8 +7,10 @@ a GPU MLX's ``mx.fast`` kernels already do that work, and the table RoPE is slow
 (a served run on an H200 gave TPOT 43 ms without it, 47 with it), so a GPU profile keeps
 the model's own modules but for one rewrite made for the GPU: on CUDA a small model's step
 is bound by the host launching kernels, and ``fused_projections`` computes a layer's q, k
-and v (and its MLP's gate and up) as one matmul each (``projections.py``; Metal keeps the
-model's modules, unmeasured there). A GPU also compiles kernels at first use (NVRTC on CUDA, the
+and v (and its MLP's gate and up) as one matmul each (``projections.py``), and ``few_rows_qmv``
+multiplies a decode step's few rows with quantized weights in kvserve's kernel, where MLX's
+tiled GEMM read the weights at 3% of an H200's bandwidth (``few_rows.py``). Metal keeps the
+model's modules, unmeasured there. A GPU also compiles kernels at first use (NVRTC on CUDA, the
 first call of each fused attention kernel checks itself against the reference): its
 profile warms the engine up before the server says ready, and keeps compiled kernels in
 a directory under the cache dir so a restarted server reuses them.
@@ -18,7 +20,7 @@ a directory under the cache dir so a restarted server reuses them.
     (('table_rope', 'cpu_ops'), False, 'cpu: rewrites table_rope, cpu_ops; no warm-up')
     >>> g = profile_for("cuda", kernel_cache="/c/kernels/mlx-0.32.4/sm_90")
     >>> g.rewrites, g.warmup, g.describe()
-    (('fused_projections',), True, 'cuda: rewrites fused_projections; warm-up before ready; kernels kept in /c/kernels/mlx-0.32.4/sm_90')
+    (('fused_projections', 'few_rows_qmv'), True, 'cuda: rewrites fused_projections, few_rows_qmv; warm-up before ready; kernels kept in /c/kernels/mlx-0.32.4/sm_90')
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 # The MLX CUDA backend reads its compiled-kernel folder from here at its first compile.
 KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 CPU_REWRITES = ("table_rope", "cpu_ops")
-REWRITES = {"cpu": CPU_REWRITES, "cuda": ("fused_projections",), "metal": ()}
+REWRITES = {"cpu": CPU_REWRITES, "cuda": ("fused_projections", "few_rows_qmv"), "metal": ()}
 
 
 @dataclass(frozen=True)

@@ -187,15 +187,17 @@ def install_cpu_ops(model: nn.Module) -> int:
 
 def apply_rewrites(model: nn.Module, rewrites: tuple[str, ...], context: int = 0) -> dict[str, int]:
     """Apply the named rewrites (a device profile's ``rewrites``: "table_rope", "cpu_ops",
-    "fused_projections") to ``model``; returns how many modules (or groups) each replaced.
+    "fused_projections", "few_rows_qmv"), in order, to ``model``; returns how many modules (or groups) each replaced.
 
         >>> apply_rewrites(nn.Sequential(nn.RoPE(8)), ())
         {}
     """
+    from kvserve.server.engine.few_rows import install_few_rows
     from kvserve.server.engine.projections import fuse_projections
 
     installers = {"table_rope": lambda: install_table_rope(model, context), "cpu_ops": lambda: install_cpu_ops(model),
-                  "fused_projections": lambda: fuse_projections(model)}
+                  "fused_projections": lambda: fuse_projections(model),
+                  "few_rows_qmv": lambda: install_few_rows(model)}
     unknown = set(rewrites) - set(installers)
     if unknown:
         raise ValueError(f"unknown rewrites {sorted(unknown)}; known: {sorted(installers)}")

@@ -120,6 +120,22 @@ def load_draft(config: ModelConfig, target, scheme: KVScheme, blas: str,
     return DraftProposer(draft.model, scheme, cost, vocab=target.info.vocab_size or None)
 
 
+def prefix_ram_gb(configured: float | None, memory: int | None = None) -> float:
+    """The prefix cache's RAM tier in GiB: as configured, else an eighth of the machine's
+    ``memory`` (bytes; this machine's when None) and at least 1 GiB.
+
+    >>> prefix_ram_gb(0.5), prefix_ram_gb(None, 24 << 30), prefix_ram_gb(None, 128 << 30)
+    (0.5, 3.0, 16.0)
+    >>> prefix_ram_gb(None, 4 << 30)
+    1.0
+    """
+    if configured is not None:
+        return configured
+    from kvserve.server.engine.kv_memory import machine_memory
+
+    return max(1.0, (memory or machine_memory()) / 8 / 2**30)
+
+
 def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer, scheme: KVScheme,
                       layout: str = "", shard: str = "", share: float = 1.0):
     """The prefix cache of this model, tokenizer and scheme, its files in one directory per
@@ -143,11 +159,12 @@ def open_prefix_cache(cache: CacheConfig, config: ModelConfig, source, tokenizer
             else config.resolved_cache_dir() / "prompt-cache" / ns.key
         if shard and cache.prompt_cache_dir:
             disk_dir = disk_dir / shard.split(":")[1]
-    prefix = PrefixCache(ns, ram_bytes=int(cache.prompt_cache_ram_gb * share * 2**30), disk_dir=disk_dir,
+    ram_gb = prefix_ram_gb(cache.prompt_cache_ram_gb)
+    prefix = PrefixCache(ns, ram_bytes=int(ram_gb * share * 2**30), disk_dir=disk_dir,
                          disk_bytes=int(cache.prompt_cache_disk_gb * share * 2**30))
     stats = prefix.stats()
     log.info("prefix cache: %.1f GiB RAM, %s; %d entries found on disk",
-             cache.prompt_cache_ram_gb, f"{cache.prompt_cache_disk_gb:.1f} GiB in {disk_dir}"
+             ram_gb, f"{cache.prompt_cache_disk_gb:.1f} GiB in {disk_dir}"
              if disk_dir else "no SSD tier", stats["disk_entries"])
     return prefix
 

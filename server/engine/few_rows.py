@@ -1,0 +1,56 @@
+"""Quantized linears that multiply a decode step's few rows with kvserve's CUDA kernel.
+
+A decode step runs every projection on one row of activations per running request. On
+NVIDIA GPUs MLX serves more than one row with a tiled GEMM that reads the weights at a few
+percent of the card's bandwidth (``kvserve.kernels.cuda_qmv`` has the figures); this
+rewrite (``few_rows_qmv``, in the CUDA device profile) sends products of at most
+``MAX_ROWS`` rows to ``cuda_qmv`` and everything else (prompt chunks, unsupported formats)
+to MLX as before. Only each module's class changes: its weights and parameters stay, so the
+rewrite adds no memory and composes with ``fused_projections`` (run after it, it takes the
+stacked linears too).
+
+    >>> import mlx.nn as nn
+    >>> m = nn.Sequential(nn.QuantizedLinear(64, 32, bits=4, group_size=64), nn.Linear(4, 4))
+    >>> m.set_dtype(mx.float16)  # a loaded model's scales are in its activation dtype
+    >>> takes(m.layers[0]), takes(m.layers[1])
+    (True, False)
+    >>> install_few_rows(m) == (1 if cuda_qmv.on_cuda() else 0)  # a CUDA GPU's kernel only
+    True
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kvserve.kernels import cuda_qmv
+
+
+class FewRowsQuantizedLinear(nn.QuantizedLinear):
+    """An ``nn.QuantizedLinear`` whose products of few rows run on ``cuda_qmv``."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not cuda_qmv.serves_rows(x, self["scales"]):
+            return super().__call__(x)
+        y = cuda_qmv.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
+                                      self.group_size, self.bits)
+        return y + self["bias"] if "bias" in self else y
+
+
+def install_few_rows(model: nn.Module) -> int:
+    """Give every ``nn.QuantizedLinear`` of ``model`` whose weights ``cuda_qmv`` takes the
+    few-rows path; returns how many."""
+    if not cuda_qmv.on_cuda():
+        return 0
+    count = 0
+    for _, module in model.named_modules():
+        if takes(module):
+            module.__class__ = FewRowsQuantizedLinear
+            count += 1
+    return count
+
+
+def takes(module: nn.Module) -> bool:
+    """A plain ``nn.QuantizedLinear`` with weights ``cuda_qmv`` multiplies."""
+    return (type(module) is nn.QuantizedLinear and "biases" in module and cuda_qmv.serves_weights(
+        module["weight"], module["scales"], module.group_size, module.bits, module.mode))
