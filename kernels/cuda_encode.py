@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
-from kvserve.kernels.cuda_layout import kernel_name
+from kvserve.kernels.cuda_layout import kernel_name, on_cuda
 
 HEAD_DIMS = (64, 128, 256)
 BITS = (2, 3, 4)
@@ -81,14 +81,7 @@ def serves(x: mx.array, pi: mx.array, bits: int) -> bool:
     ``BITS``, a float32 rotation of the vectors' width."""
     D = x.shape[-1]
     return (D in HEAD_DIMS and bits in BITS and pi.shape == (D, D) and pi.dtype == mx.float32
-            and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and _on_cuda())
-
-
-def _on_cuda() -> bool:
-    try:
-        return mx.default_device() == mx.gpu and bool(mx.cuda.is_available())
-    except AttributeError:  # an MLX without the cuda module
-        return False
+            and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and on_cuda())
 
 
 @functools.cache

@@ -164,6 +164,14 @@ def mask4(mask: mx.array) -> mx.array:
     return mask
 
 
+def on_cuda() -> bool:
+    """MLX computes on a CUDA GPU here (its default device is the GPU of the CUDA backend)."""
+    try:
+        return mx.default_device() == mx.gpu and bool(mx.cuda.is_available())
+    except AttributeError:  # an MLX without the cuda module
+        return False
+
+
 def kernel_name(base: str, *texts: str) -> str:
     """``base`` plus a digest of the kernel's source text.
 

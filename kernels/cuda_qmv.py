@@ -29,7 +29,7 @@ import functools
 
 import mlx.core as mx
 
-from kvserve.kernels.cuda_layout import kernel_name
+from kvserve.kernels.cuda_layout import kernel_name, on_cuda
 
 MAX_ROWS = 8
 BITS = (4, 8)
@@ -132,14 +132,6 @@ def serves_rows(x: mx.array, scales: mx.array) -> bool:
     own matrix-vector kernel, which reads the weights as fast as this one (and the default
     model's one-stream step was 7.3 ms with it against 9.1 with this kernel, H200)."""
     return x.dtype == scales.dtype and 2 <= x.size // max(x.shape[-1], 1) <= MAX_ROWS
-
-
-def on_cuda() -> bool:
-    """MLX computes on a CUDA GPU here."""
-    try:
-        return mx.default_device() == mx.gpu and bool(mx.cuda.is_available())
-    except AttributeError:  # an MLX without the cuda module
-        return False
 
 
 @functools.cache
