@@ -37,6 +37,12 @@ LONGEST_FIRST = ("test_real_model.py", "test_architectures.py", "test_distribute
 def pytest_configure(config) -> None:
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
         config.option.loadscopereorder = False
+    # A worker that dies ends the run, naming the test it died in. pytest-xdist 3.8 replaces
+    # it by default, and with --dist loadfile the run then waits forever with idle workers
+    # (pytest-xdist issues 784 and 1378): a fresh clone on the 2-core VM hung at 96% after
+    # a worker's segfault, where CI would have waited out its 90 minutes.
+    if hasattr(config.option, "maxworkerrestart") and config.option.maxworkerrestart is None:
+        config.option.maxworkerrestart = "0"
 
 
 def pytest_collection_modifyitems(items) -> None:
