@@ -19,8 +19,11 @@ converter does (affine, groups of 64); ``--bits 16`` keeps float16 (bfloat16 for
 
     python bench/shaped_model.py --shape llama3-8b --bits 4 --out /root/models/llama3-8b-q4
     kvserve bench --model /root/models/llama3-8b-q4 --target kvserve: \\
-        --target 'kvserve:--kv-scheme affine4' --target 'mlx_lm:--kv-bits 4' \\
-        --concurrency 8 --requests 8 --document-tokens 16000 --max-tokens 128
+        --target 'kvserve:--kv-scheme affine4' --target mlx_lm: \\
+        --concurrency 8 --requests 8 --document-tokens 16000 --max-tokens 64
+
+(``mlx_lm:--kv-bits 4`` serves short prompts only on CUDA: with a 16K-token document MLX's
+CUDA backend has no quantized matmul for its attention, docs/benchmarks/gpu-serve.md.)
 """
 
 from __future__ import annotations
