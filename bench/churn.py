@@ -15,6 +15,11 @@ prefix cache). The runner's phases are timed, wall clock on the engine thread, i
   * ``release``: a finished request's ``offer`` and its row leaving the batch (``keep``);
   * ``undo``: dropping the step queued ahead when the rows change.
 
+With ``--document-tokens N`` every request instead asks its own question about one shared
+document of about N tokens (``kvserve bench --document-tokens``), put in the prefix cache by
+one request before the clocks start: the long-context workload, whose measured steps decode
+over the document.
+
 Each scheme runs ``--rounds`` times on the same prompts, each round on a new engine (its
 warm-up served, its prefix cache empty) in the same process: what a later round saves is
 what the process keeps from the first (MLX's buffers, compiled kernels). Printed per
@@ -23,6 +28,7 @@ gained (a GPU compiling while requests wait), the prefix cache's entries on disk
 phase's milliseconds per request. The CPU computes with the server's BLAS, as ``serve``.
 
     python bench/churn.py --schemes fp16,affine4 --requests 32 --concurrency 8
+    python bench/churn.py --schemes affine4 --requests 16 --document-tokens 4000 --max-tokens 64 --rounds 1
 """
 
 from __future__ import annotations
@@ -65,6 +71,9 @@ def parse(argv):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--document-tokens", type=int, default=0,
+                   help="long contexts: every request asks its own question about one shared document "
+                        "of about this many tokens, put in the prefix cache before the clocks start")
     return p.parse_args(argv)
 
 
@@ -108,7 +117,7 @@ def run_round(engine, prompts: list[list[int]], concurrency: int, max_tokens: in
     return time.perf_counter() - t0, live["tokens"], ttft
 
 
-def one_round(scheme: str, model, texts: list[str], args, blas: str, clocks: dict) -> tuple:
+def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas: str, clocks: dict) -> tuple:
     """The same prompts on a new engine (its warm-up served, an empty prefix cache in a folder
     of its own): a later round differs from the first only by what the process keeps (MLX's
     buffers and compiled kernels). ``clocks`` restart after the warm-up. Returns seconds, tokens, TTFTs, kernel files compiled
@@ -123,9 +132,13 @@ def one_round(scheme: str, model, texts: list[str], args, blas: str, clocks: dic
     cache = None if args.no_prefix_cache else CacheConfig(kv_scheme=scheme, prompt_cache_dir=folder)
     engine = Engine(make_loader(model, parse_scheme(scheme), blas, cache=cache), EngineConfig())
     loaded = engine.start()
-    clocks.clear()  # the warm-up ran through the same phases: only the round's own count
     prompts = [list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
                for t in texts]
+    if warm is not None:  # the shared document into the prefix cache, as kvserve bench's warm-up does
+        [warm_tokens] = [list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": warm}],
+                                                                    add_generation_prompt=True))]
+        run_round(engine, [warm_tokens], 1, 8)
+    clocks.clear()  # the warm-ups ran through the same phases: only the round's own count
     kernels = kernel_files(loaded.device) if loaded.device is not None else 0
     seconds, tokens, ttft = run_round(engine, prompts, args.concurrency, args.max_tokens)
     compiled = (kernel_files(loaded.device) if loaded.device is not None else 0) - kernels
@@ -144,7 +157,7 @@ def main(argv=None) -> int:
     blas = enable_fast_blas()
     import mlx.core as mx
 
-    from kvserve.bench.cli import default_model_dir, make_prompts, tokenizer_counter
+    from kvserve.bench.cli import default_model_dir, document_prompts, make_prompts, tokenizer_counter
     from kvserve.configs import ModelConfig
     from kvserve.server.engine.runner import ModelRunner
 
@@ -155,15 +168,21 @@ def main(argv=None) -> int:
         setattr(ModelRunner, attr, timed(clocks, name, getattr(ModelRunner, attr)))
     ModelRunner._offer = waited(clocks, ModelRunner._offer)  # outside its clock
     model = ModelConfig()
-    texts = make_prompts(args.requests, args.prompt_tokens, tokenizer_counter(default_model_dir()))
+    count = tokenizer_counter(default_model_dir())
+    warm = None
+    if args.document_tokens:
+        texts, warm = document_prompts(args.requests, args.document_tokens, count)
+    else:
+        texts = make_prompts(args.requests, args.prompt_tokens, count)
     print(f"device: {mx.device_info().get('device_name', mx.default_device())}, mlx {mx.__version__}; "
           f"the default model, {args.requests} requests, {args.concurrency} in flight, "
-          f"~{args.prompt_tokens} prompt tokens, {args.max_tokens} out")
+          + (f"questions over one ~{args.document_tokens}-token document" if args.document_tokens
+             else f"~{args.prompt_tokens} prompt tokens") + f", {args.max_tokens} out")
     print("| scheme | round | s | tok/s | TTFT p50 ms | compiled | on disk | "
           + " | ".join(f"{p} ms/req" for p in COLUMNS) + " |\n" + "|---" * (7 + len(COLUMNS)) + "|", flush=True)
     for scheme in args.schemes.split(","):
         for rnd in range(args.rounds):
-            seconds, tokens, ttft, compiled, disk = one_round(scheme, model, texts, args, blas.describe(), clocks)
+            seconds, tokens, ttft, compiled, disk = one_round(scheme, model, texts, warm, args, blas.describe(), clocks)
             per = " | ".join(f"{1e3 * sum(clocks[p]) / args.requests:.1f}" for p in COLUMNS)
             print(f"| {scheme} | {rnd + 1} | {seconds:.2f} | {tokens / seconds:.1f} | "
                   f"{1e3 * statistics.median(ttft):.0f} | {compiled} | {disk} | {per} |", flush=True)

@@ -2,10 +2,13 @@
 //
 // MLX's CPU ``quantized_matmul`` decodes codes one element at a time (about 1.5 G
 // multiply-adds/s here), so attention over an affine4 cache cost 3-4x the same attention over
-// float32 K/V. This kernel reads each stored token once: its keys are decoded (32 at a time in
-// vector registers), scored against every query row of its KV head (the n_rep query heads
-// times L queries), and, after the softmax, its values are decoded and weighted into the
-// output the same way. Component kinds (keys and values independently):
+// float32 K/V. This kernel reads each stored token once: its keys are scored against every
+// query row of its KV head (the n_rep query heads times L queries), and, after the softmax,
+// its values are weighted into the output. Affine codes are never decoded to floats: a key
+// is s * code + z per group, so the codes are scored as they are and each group's scale and
+// bias applied once per token and row (score_affine); values are weighted by p * s and the
+// biases summed apart (accumulate_affine). Turbo tokens are decoded (32 at a time in vector
+// registers) and read as floats. Component kinds (keys and values independently):
 //   raw     one array (B, H_kv, T, D) in float32, float16 or bfloat16;
 //   affine  mx.quantize codes (uint32), scales, biases (float32/float16/bfloat16), 4 or 8 bits;
 //   turbo   packed b-bit centroid indices (uint32, little-endian bit stream) and a float32
@@ -24,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -137,28 +141,14 @@ struct Component {
   bool permuted;  // 4-bit codes come out permuted (see dequant_token)
 };
 
-// One affine or turbo token of ``c`` (D values, float32) into ``out`` (raw tokens are read
-// where they are stored: RawReader). 4-bit codes come out permuted within
-// each 32: the 16 even elements, then the 16 odd ones (byte j holds elements 2j and 2j + 1);
-// queries are permuted the same way and outputs permuted back.
+// One turbo token of ``c`` (D values, float32) into ``out`` (raw tokens are read where they
+// are stored: RawReader; affine codes are scored and weighted as codes: score_affine,
+// accumulate_affine). 4-bit codes come out permuted within each 32: the 16 even elements,
+// then the 16 odd ones (byte j holds elements 2j and 2j + 1); queries are permuted the same
+// way and outputs permuted back.
 void dequant_token(const Component& c, int b, int h, int t, float* out) {
   const uint8_t* p = c.data + b * c.data_stride[0] + h * c.data_stride[1] + t * c.data_stride[2];
   int64_t so = b * c.scale_stride[0] + h * c.scale_stride[1] + t * c.scale_stride[2];
-  if (c.kind == AFFINE) {
-    for (int k = 0; k < c.dim; k += 32) {
-      v16f s = splat(element(c.scales, c.dtype, so + k / c.group));
-      v16f z = splat(element(c.biases, c.dtype, so + k / c.group));
-      if (c.bits == 4) {
-        v16u u = widen16(p + k / 2);
-        store(out + k, __builtin_convertvector(u & 15u, v16f) * s + z);
-        store(out + k + 16, __builtin_convertvector(u >> 4, v16f) * s + z);
-      } else {
-        store(out + k, __builtin_convertvector(widen16(p + k), v16f) * s + z);
-        store(out + k + 16, __builtin_convertvector(widen16(p + k + 16), v16f) * s + z);
-      }
-    }
-    return;
-  }
   float norm = static_cast<const float*>(c.scales)[so];
   if (c.bits == 4) {
 #if defined(__AVX512F__)
@@ -249,16 +239,16 @@ inline void score1(const float* q, int D, const float* blk, float* dst, int m) {
   put(dst, a, m);
 }
 
-// Four rows at once, each summed exactly as score1 does: four independent chains of
-// multiply-adds instead of one that waits on its own latency.
-inline void score4(const float* q, int D, const float* blk, float* dst, int T, int m) {
+// Four rows at once (``qs`` floats apart), each summed exactly as score1 does: four
+// independent chains of multiply-adds instead of one that waits on its own latency.
+inline void score4(const float* q, int qs, int D, const float* blk, float* dst, int T, int m) {
   v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
   for (int d = 0; d < D; d++) {
     v16f k = load(blk + d * 16);
     a0 += splat(q[d]) * k;
-    a1 += splat(q[D + d]) * k;
-    a2 += splat(q[2 * D + d]) * k;
-    a3 += splat(q[3 * D + d]) * k;
+    a1 += splat(q[qs + d]) * k;
+    a2 += splat(q[2 * qs + d]) * k;
+    a3 += splat(q[3 * qs + d]) * k;
   }
   put(dst, a0, m);
   put(dst + T, a1, m);
@@ -350,6 +340,29 @@ void accumulate(float* acc, int nv, const float* p, int t0, int t1, const R& rd,
   else accumulate<1>(acc, p, t0, t1, rd, d0);
 }
 
+// Scores of rows [0, n) (queries ``q``, ``qs`` floats apart, D dims each) against ``m``
+// tokens laid out as dimension-major blocks of 16 (``blk``: D x 16 floats each), into
+// ``dst`` + r * ld + t. Every row is summed over d in order, whichever kernel scores it.
+void score_rows(const float* q, int qs, int n, int D, const float* blk, int m, float* dst, int ld) {
+  for (int r0 = 0; r0 < n; r0 += kRowBlock) {
+    int r1 = r0 + kRowBlock < n ? r0 + kRowBlock : n, quads = r0 + (r1 - r0) / 4 * 4;
+    for (int j = 0; j < m; j += 16)
+      for (int r = r0; r < quads; r += 4)
+        score4(q + size_t(r) * qs, qs, D, blk + size_t(j) * D, dst + size_t(r) * ld + j, ld, m - j < 16 ? m - j : 16);
+    // The rows left over (a decode step's n_rep rows, often 1-3): eight token blocks at once.
+    for (int r = quads; r < r1; r++) {
+      const float* qr = q + size_t(r) * qs;
+      float* out = dst + size_t(r) * ld;
+      int j = 0;
+      for (; j + 128 <= m; j += 128) score1xN<8>(qr, D, blk + size_t(j) * D, out + j);
+      for (; j + 64 <= m; j += 64) score1xN<4>(qr, D, blk + size_t(j) * D, out + j);
+      for (; j < m; j += 16) score1(qr, D, blk + size_t(j) * D, out + j, m - j < 16 ? m - j : 16);
+    }
+  }
+}
+
+#include "cpu_attention_affine.h"  // score_affine, accumulate_affine_rows
+
 int items_per_pair(const Call& c) {
   int rows = (c.Hq / c.Hkv) * c.L;
   return (rows + kItemRows - 1) / kItemRows;
@@ -359,7 +372,8 @@ int items_per_pair(const Call& c) {
 // accumulators, kTokenBlock decoded tokens, and their keys dimension-major.
 void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>& scratch) {
   const int R = c.Hq / c.Hkv, T = c.T, D = c.D, Dv = c.Dv, W = D > Dv ? D : Dv;
-  scratch.resize(size_t(n) * (T + D + Dv) + size_t(kTokenBlock) * (W + D));
+  const int groups = c.values.kind == AFFINE ? Dv / c.values.group : 0;
+  scratch.resize(size_t(n) * (T + D + Dv + groups) + size_t(kTokenBlock) * (W + D) + size_t(n + 2) * kTokenBlock);
   float* s = scratch.data();  // n x T scores, then probabilities
   float* qp = s + size_t(n) * T;  // n x D permuted queries
   float* acc = qp + size_t(n) * D;  // n x Dv accumulators (permuted)
@@ -375,32 +389,21 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
   // row's 16 scores are D multiply-adds into one register, summed over d in order (the same
   // order for every L and batch, so decode, verify and prompt chunks agree bit for bit).
   float* kt = tokens + size_t(kTokenBlock) * W;
+  float* zs = kt + size_t(kTokenBlock) * D;  // n x groups: affine values' bias sums
+  float* affine_tmp = zs + size_t(n) * groups;  // score_affine's scratch
   for (int t0 = 0; t0 < T; t0 += kTokenBlock) {
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
+    if (c.keys.kind == AFFINE) {
+      score_affine(c.keys, b, h, n, t0, t1, qp, s + t0, T, kt, affine_tmp);
+      continue;
+    }
     if (c.keys.kind != RAW)
       for (int t = t0; t < t1; t++) dequant_token(c.keys, b, h, t, tokens + size_t(t - t0) * D);
     with_reader(c.keys, b, h, t0, tokens, D, [&](const auto& rd) {
       for (int j = t0; j < t1; j += 16)
         to_dimension_major(rd, j - t0, t1 - j < 16 ? t1 - j : 16, D, kt + size_t(j - t0) * D);
     });
-    for (int r0 = 0; r0 < n; r0 += kRowBlock) {
-      int r1 = r0 + kRowBlock < n ? r0 + kRowBlock : n, quads = r0 + (r1 - r0) / 4 * 4;
-      for (int j = t0; j < t1; j += 16) {
-        const float* blk = kt + size_t(j - t0) * D;
-        int m = t1 - j < 16 ? t1 - j : 16;
-        for (int r = r0; r < quads; r += 4) score4(qp + size_t(r) * D, D, blk, s + size_t(r) * T + j, T, m);
-      }
-      // The rows left over (a decode step's n_rep rows, often 1-3): eight token blocks at once.
-      for (int r = quads; r < r1; r++) {
-        int j = t0;
-        for (; j + 128 <= t1; j += 128)
-          score1xN<8>(qp + size_t(r) * D, D, kt + size_t(j - t0) * D, s + size_t(r) * T + j);
-        for (; j + 64 <= t1; j += 64)
-          score1xN<4>(qp + size_t(r) * D, D, kt + size_t(j - t0) * D, s + size_t(r) * T + j);
-        for (; j < t1; j += 16)
-          score1(qp + size_t(r) * D, D, kt + size_t(j - t0) * D, s + size_t(r) * T + j, t1 - j < 16 ? t1 - j : 16);
-      }
-    }
+    score_rows(qp, D, n, D, kt, t1 - t0, s + t0, T);
   }
   for (int r = 0; r < n; r++) {
     float* sr = s + size_t(r) * T;
@@ -436,7 +439,9 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
     for (int t = 0; t < T; t++) sr[t] *= inv;
   }
   std::fill(acc, acc + size_t(n) * Dv, 0.0f);
-  for (int t0 = 0; t0 < T; t0 += kTokenBlock) {
+  std::fill(zs, zs + size_t(n) * groups, 0.0f);
+  if (c.values.kind == AFFINE) accumulate_affine_rows(c.values, b, h, n, T, Dv, s, acc, zs);
+  for (int t0 = 0; c.values.kind != AFFINE && t0 < T; t0 += kTokenBlock) {
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
     if (c.values.kind != RAW)
       for (int t = t0; t < t1; t++) dequant_token(c.values, b, h, t, tokens + size_t(t - t0) * Dv);
@@ -450,6 +455,7 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
     float* dst = c.out + ((size_t(b) * c.Hq + head_of(r)) * c.L + query_of(r)) * Dv;
     if (!c.unrotate) {
       for (int d = 0; d < Dv; d++) dst[d] = acc[size_t(r) * Dv + permuted(d, c.values.permuted)];
+      for (int d = 0; groups && d < Dv; d++) dst[d] += zs[size_t(r) * groups + d / c.values.group];
       continue;
     }
     std::fill(dst, dst + Dv, 0.0f);  // one inverse rotation per output row, not per token
@@ -492,7 +498,7 @@ struct Spec {
   }
 };
 
-Component component(const Spec& spec, const mx::array* a, int dim) {
+Component component(const Spec& spec, const mx::array* a, int dim, bool values) {
   Component c{};
   c.kind = spec.kind;
   c.bits = spec.bits;
@@ -511,7 +517,9 @@ Component component(const Spec& spec, const mx::array* a, int dim) {
     c.dtype = dtype_code(a[1].dtype());
   }
   std::copy(spec.table.begin(), spec.table.end(), c.table);
-  c.permuted = spec.kind != RAW && spec.bits == 4;
+  // 4-bit values (accumulate_affine, dequant_token) and turbo keys come permuted; affine keys
+  // are scored in dimension order (codes_dimension_major).
+  c.permuted = spec.bits == 4 && (spec.kind == TURBO || (spec.kind == AFFINE && values));
   return c;
 }
 
@@ -537,9 +545,9 @@ class StoredAttention : public mx::Primitive {
     for (int i = 0; i < 4; i++) c.q_strides[i] = q.strides()[i];
     c.q_scale = q_scale_;
     size_t next = 1;
-    c.keys = component(keys_, &in[next], c.D);
+    c.keys = component(keys_, &in[next], c.D, false);
     next += keys_.arrays();
-    c.values = component(values_, &in[next], c.Dv);
+    c.values = component(values_, &in[next], c.Dv, true);
     next += values_.arrays();
     if (mask_) {
       c.mask = in[next].data<float>();

@@ -126,6 +126,50 @@ def test_stale_slots_behind_a_mask_never_leak():
     assert mx.all(mx.isfinite(got)).item() and mx.allclose(got, want, atol=1e-5).item()
 
 
+def test_stale_affine_slots_behind_a_mask_never_leak():
+    """Affine keys are scored as codes and scaled after, values weighted as codes: a hidden
+    slot whose scales and biases are infinite (a stale slot of a buffer) changes nothing."""
+    scheme = parse_scheme("affine4")
+    fmt = QuantizedFormat(scheme.keys)
+    q = _rand((2, 6, 3, 64), 1)
+    hidden = mx.arange(40) < 9
+    mask = ~hidden[None, None, None]  # (1, 1, 1, T): every row and query
+
+    def spoiled(parts, fill):
+        codes, scales, biases = parts
+        where = hidden[None, None, :, None]
+        return codes, mx.where(where, fill, scales), mx.where(where, fill, biases)
+
+    kp, vp = _stored(_rand((2, 3, 40, 64), 2), scheme.keys), _stored(_rand((2, 3, 40, 64), 3), scheme.values)
+    inf = mx.array(float("inf"))
+    got = cpu_attention.attend_cpu(q, fmt, spoiled(kp, inf), fmt, spoiled(vp, inf), 0.125, mask)
+    want = attend_full(q, fmt, spoiled(kp, 0.0), fmt, spoiled(vp, 0.0), 0.125, mask)
+    assert mx.all(mx.isfinite(got)).item() and mx.allclose(got, want, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("name", ["fp16", "affine4", "affine8", "affine4-g32"])
+def test_a_row_gives_the_same_bits_alone_in_a_batch_and_as_a_chunks_last_query(name):
+    """Each query row is scored and weighted by the same arithmetic whichever call it is in:
+    a decode query alone, the same query in a left-padded batch of 3, and the last query of an
+    8-token prompt chunk (which sees every slot) give the same bits, so a request's tokens do
+    not depend on its neighbours or on how its prompt was cut."""
+    scheme = parse_scheme(name)
+    fmt = RawFormat(64) if name == "fp16" else QuantizedFormat(scheme.keys)
+    T = 70
+    k, v = _rand((3, 3, T, 64), 2), _rand((3, 3, T, 64), 3)
+    if name == "fp16":
+        kp, vp = (k.astype(mx.float16),), (v.astype(mx.float16),)
+    else:
+        kp, vp = _stored(k, scheme.keys), _stored(v, scheme.values)
+    q = _rand((3, 9, 8, 64), 1)
+    row = lambda parts: tuple(p[2:3] for p in parts)  # noqa: E731
+    alone = cpu_attention.attend_cpu(q[2:3, :, 7:], fmt, row(kp), fmt, row(vp), 0.125, None)
+    pads = causal_mask(1, T - 1, mx.array([5, 11, 0]))  # row 2 unpadded
+    batched = cpu_attention.attend_cpu(q[:, :, 7:], fmt, kp, fmt, vp, 0.125, pads)[2:3]
+    chunk = cpu_attention.attend_cpu(q[2:3], fmt, row(kp), fmt, row(vp), 0.125, "causal")[:, :, 7:]
+    assert mx.array_equal(alone, batched).item() and mx.array_equal(alone, chunk).item()
+
+
 def test_head_dim_of_three_groups():
     """D = 96: three groups of 32, three 32-wide steps of the kernel per token."""
     scheme = parse_scheme("affine4-g32")

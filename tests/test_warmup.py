@@ -133,7 +133,8 @@ def test_no_served_request_waits_on_a_kernel_compile(default_model_dir, tmp_path
 
             replies = together([ask(i) for i in range(8)]) + [ask(2)()]
             assert [r.status_code for r in replies] == [200] * 9
-            assert sorted(p.name for p in folders[scheme].iterdir()) == compiled, scheme
+            late = sorted({p.name for p in folders[scheme].iterdir()} - set(compiled))
+            assert not late, f"{scheme} compiled while serving: {late}"
     finally:
         for proc in procs.values():
             assert proc.stop() == 0, proc.output()

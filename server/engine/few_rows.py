@@ -37,17 +37,34 @@ class FewRowsQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+# MLX's CUDA quantized matmul compiles one kernel per row tile of each weight format: 16, 32
+# or 64 rows (the rows' next power of two, clamped). Products of 2-8 rows used to compile the
+# 16-row tile; served here, they no longer do, and a prompt chunk of 9-32 tokens then compiled
+# a tile while its request waited (the warm-up's prompts need not have that length).
+MLX_TILE_ROWS = (16, 32, 64)
+
+
 def install_few_rows(model: nn.Module) -> int:
     """Give every ``nn.QuantizedLinear`` of ``model`` whose weights ``cuda_qmv`` takes the
-    few-rows path; returns how many."""
+    few-rows path, and compile MLX's kernel at each row tile for their formats (what the rest
+    of their products run on); returns how many."""
     if not cuda_qmv.on_cuda():
         return 0
-    count = 0
-    for _, module in model.named_modules():
-        if takes(module):
-            module.__class__ = FewRowsQuantizedLinear
-            count += 1
-    return count
+    taken = [module for _, module in model.named_modules() if takes(module)]
+    for module in taken:
+        module.__class__ = FewRowsQuantizedLinear
+    compile_mlx_tiles(taken)
+    return len(taken)
+
+
+def compile_mlx_tiles(modules: list[nn.QuantizedLinear]) -> None:
+    """One MLX product at each of ``MLX_TILE_ROWS`` per weight format (bits, group, dtype)."""
+    formats = {}
+    for m in modules:
+        formats.setdefault((m.bits, m.group_size, m.mode, m["scales"].dtype), m)
+    for m in formats.values():
+        x = mx.zeros((max(MLX_TILE_ROWS), m["weight"].shape[1] * 32 // m.bits), m["scales"].dtype)
+        mx.eval([nn.QuantizedLinear.__call__(m, x[:rows]) for rows in MLX_TILE_ROWS])
 
 
 def takes(module: nn.Module) -> bool:
