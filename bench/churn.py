@@ -132,12 +132,11 @@ def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas
     cache = None if args.no_prefix_cache else CacheConfig(kv_scheme=scheme, prompt_cache_dir=folder)
     engine = Engine(make_loader(model, parse_scheme(scheme), blas, cache=cache), EngineConfig())
     loaded = engine.start()
-    prompts = [list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
-               for t in texts]
+    chat = lambda text: list(loaded.tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": text}], add_generation_prompt=True))
+    prompts = [chat(t) for t in texts]
     if warm is not None:  # the shared document into the prefix cache, as kvserve bench's warm-up does
-        [warm_tokens] = [list(loaded.tokenizer.apply_chat_template([{"role": "user", "content": warm}],
-                                                                    add_generation_prompt=True))]
-        run_round(engine, [warm_tokens], 1, 8)
+        run_round(engine, [chat(warm)], 1, 8)
     clocks.clear()  # the warm-ups ran through the same phases: only the round's own count
     kernels = kernel_files(loaded.device) if loaded.device is not None else 0
     seconds, tokens, ttft = run_round(engine, prompts, args.concurrency, args.max_tokens)
