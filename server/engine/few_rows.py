@@ -38,9 +38,11 @@ class FewRowsQuantizedLinear(nn.QuantizedLinear):
 
 
 # MLX's CUDA quantized matmul compiles one kernel per row tile of each weight format: 16, 32
-# or 64 rows (the rows' next power of two, clamped). Products of 2-8 rows used to compile the
-# 16-row tile; served here, they no longer do, and a prompt chunk of 9-32 tokens then compiled
-# a tile while its request waited (the warm-up's prompts need not have that length).
+# or 64 rows (the rows' next power of two, clamped), and which kernel family serves a weight
+# depends on its shape too (its tensor-core GEMM wants N a multiple of 128). Products of 2-8
+# rows used to compile the 16-row tiles; served here, they no longer do, and a prompt chunk of
+# 9-32 tokens then compiled a tile while its request waited (the warm-up's prompts need not
+# have that length).
 MLX_TILE_ROWS = (16, 32, 64)
 
 
@@ -58,10 +60,11 @@ def install_few_rows(model: nn.Module) -> int:
 
 
 def compile_mlx_tiles(modules: list[nn.QuantizedLinear]) -> None:
-    """One MLX product at each of ``MLX_TILE_ROWS`` per weight format (bits, group, dtype)."""
+    """One MLX product at each of ``MLX_TILE_ROWS`` per weight format and shape (a model has a
+    handful: one per kind of projection)."""
     formats = {}
     for m in modules:
-        formats.setdefault((m.bits, m.group_size, m.mode, m["scales"].dtype), m)
+        formats.setdefault((m.bits, m.group_size, m.mode, m["scales"].dtype, m["weight"].shape), m)
     for m in formats.values():
         x = mx.zeros((max(MLX_TILE_ROWS), m["weight"].shape[1] * 32 // m.bits), m["scales"].dtype)
         mx.eval([nn.QuantizedLinear.__call__(m, x[:rows]) for rows in MLX_TILE_ROWS])
