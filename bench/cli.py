@@ -52,7 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="long contexts: every request asks its own question about one shared document of "
                         "about this many tokens, which the warm-up puts in the prompt cache (replaces "
                         "--prompt-tokens)")
-    p.add_argument("--baseline", help="label of the target the ratios refer to (default: the last)")
+    p.add_argument("--baseline", help="label of the target the ratios refer to (default: the last; a label that "
+                   "repeats means its last run)")
     p.add_argument("--overhead", action="store_true", help="measure kvserve's overhead over the model step")
     p.add_argument("--completions", action="store_true",
                    help="raw prompts through /v1/completions (chosen by itself for a model "

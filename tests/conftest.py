@@ -23,6 +23,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 enable_fast_blas()
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker more than the cores this process may run on (one on one core).
+    A worker spends part of its time waiting (servers starting in other processes, a model
+    downloading, clients waiting on replies): on the 2-core VM two workers kept 1.89 cores
+    busy and took 563 s, three kept 1.96 busy and took 487 s (docs/testing.md, tenth round)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores + 1 if cores > 1 else 1
+
+
 # The files that take longest, longest first (README command 2 on the 2-core VM, seconds
 # summed over their tests: docs/testing.md). pytest-xdist hands each worker the next file as
 # it frees, so these go first and the short files fill in at the end. By default it orders

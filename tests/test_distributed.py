@@ -4,6 +4,9 @@ refused by a server of another layout, and a rank that dies ends the server clea
 
 The ranks are started as ``mlx.launch`` starts them (``MLX_RANK``, ``MLX_HOSTFILE``), each a
 process of its own, so a test can kill one; one test goes through ``mlx.launch`` itself.
+The one-process server each split is compared with runs in the test process
+(``tests/inprocess.py``): its replies, cache files and metrics are what is read, and a
+process start costs each comparison a few seconds of CPU.
 
 Every server here serves a tiny random-weight model: these tests are about the split, not
 the model, and the default model (30 layers, decoded in f32 by three processes on a small
@@ -25,7 +28,8 @@ import httpx
 import openai
 import pytest
 from archs import ARCHS, ATTENTION_GAIN, make_tiny_model
-from servers import TOKENIZER_FILES, DistributedServer, ServerProcess
+from inprocess import InProcessServer
+from servers import TOKENIZER_FILES, DistributedServer
 from together import together
 
 from kvserve.cache.prefix.files import read_header
@@ -99,12 +103,12 @@ def metric(server, name: str, http=httpx) -> dict[str, float]:
 
 @pytest.fixture(scope="class", params=["fp16", "affine4"])
 def pair(request, kv3_model, tmp_path_factory):
-    """One process and two processes, same model, scheme and weight format, for the tests of
-    one class: a module-scoped fixture's last instance would live to the end of the module."""
+    """One server (in the test process) and two processes, same model, scheme and weight
+    format, for the tests of one class: a module-scoped fixture's last instance would live to the end of the module."""
     scheme = request.param
     cache = tmp_path_factory.mktemp(f"dist-{scheme}")
     common = ("--cache-dir", str(cache), "--kv-scheme", scheme, "--prompt-cache-disk-gb", "0", *SAME)
-    one = ServerProcess(kv3_model, *common)
+    one = InProcessServer(kv3_model, *common)
     two = DistributedServer(kv3_model, *common)
     two.scheme = scheme
     one.wait_ready(), two.wait_ready()
@@ -207,7 +211,7 @@ class TestOneAndTwoProcesses:
 def test_other_families_split_through_mlx_lm(default_model_dir, tmp_path, arch, scheme, launcher):
     model = make_tiny_model(arch, tmp_path / arch, default_model_dir)
     common = ("--cache-dir", str(tmp_path / "c"), "--prompt-cache-disk-gb", "0", "--kv-scheme", scheme, *SAME)
-    one = ServerProcess(model, *common)
+    one = InProcessServer(model, *common)
     two = DistributedServer(model, *common, launcher=launcher)
     try:
         one.wait_ready(), two.wait_ready()
@@ -257,7 +261,7 @@ def test_prefix_cache_survives_a_restart_and_one_process_refuses_its_files(kv3_m
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].message.content == first.choices[0].message.content
 
-    one = ServerProcess(kv3_model, "--cache-dir", str(tmp_path / "c"), "--prompt-cache-dir",
+    one = InProcessServer(kv3_model, "--cache-dir", str(tmp_path / "c"), "--prompt-cache-dir",
                         str(files / "rank0"), *SAME).wait_ready()
     try:
         alone = ask(one, prompt)
