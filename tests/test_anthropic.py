@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import anthropic
 import httpx
 import jsonschema
 import openai
@@ -37,7 +36,16 @@ def server(default_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def anthropic():
+    """The official client's package, imported by the worker that runs this file: its import
+    takes about 1.5 s of CPU, which every pytest-xdist worker would pay collecting the file."""
+    import anthropic
+
+    return anthropic
+
+
+@pytest.fixture(scope="module")
+def client(server, anthropic):
     return anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0)
 
 
@@ -243,7 +251,7 @@ def test_openai_paths_keep_their_error_shape(server):
     assert reply.status_code == 404 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_the_client_raises_its_typed_errors(client):
+def test_the_client_raises_its_typed_errors(client, anthropic):
     with pytest.raises(anthropic.BadRequestError) as missing:  # the typed client always sends max_tokens
         client.post("/v1/messages", body={"model": "default", "messages": ASK}, cast_to=object)
     assert missing.value.body["error"]["type"] == "invalid_request_error"
@@ -276,7 +284,7 @@ def stub_http(api_key: str):
     return TestClient(create_app(engine, HTTPConfig(api_key=api_key)), raise_server_exceptions=False)
 
 
-def test_the_client_authenticates_with_x_api_key():
+def test_the_client_authenticates_with_x_api_key(anthropic):
     http = stub_http(KEY)
     keyed = anthropic.Anthropic(base_url="http://testserver", api_key=KEY, http_client=http, max_retries=0)
     with pytest.raises(anthropic.NotFoundError):  # past the guard: the stub serves another model
