@@ -3,9 +3,10 @@
 A decode step runs every projection on one row of activations per running request. On
 NVIDIA GPUs MLX serves more than one row with a tiled GEMM that reads the weights at a few
 percent of the card's bandwidth (``kvserve.kernels.cuda_qmv`` has the figures); this
-rewrite (``few_rows_qmv``, in the CUDA device profile) sends products of at most
-``MAX_ROWS`` rows to ``cuda_qmv`` and everything else (prompt chunks, unsupported formats)
-to MLX as before. Only each module's class changes: its weights and parameters stay, so the
+rewrite (``few_rows_qmv``, in the CUDA device profile) sends the products of a decode
+step's rows (``cuda_qmv.serves_rows``: 2 to ``MAX_ROWS``, one row too for a large matrix)
+to ``cuda_qmv``'s tensor-core kernel and everything else (prompt chunks, unsupported
+formats) to MLX as before. Only each module's class changes: its weights and parameters stay, so the
 rewrite adds no memory and composes with ``fused_projections`` (run after it, it takes the
 stacked linears too).
 
@@ -30,7 +31,7 @@ class FewRowsQuantizedLinear(nn.QuantizedLinear):
     """An ``nn.QuantizedLinear`` whose products of few rows run on ``cuda_qmv``."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not cuda_qmv.serves_rows(x, self["scales"]):
+        if not cuda_qmv.serves_rows(x, self["scales"], self["weight"].size * 32 // self.bits):
             return super().__call__(x)
         y = cuda_qmv.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
                                       self.group_size, self.bits)
