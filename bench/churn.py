@@ -25,10 +25,14 @@ warm-up served, its prefix cache empty) in the same process: what a later round 
 what the process keeps from the first (MLX's buffers, compiled kernels). Printed per
 round: wall seconds, output tokens/s, TTFT p50, the kernel files the device's cache folder
 gained (a GPU compiling while requests wait), the prefix cache's entries on disk, and each
-phase's milliseconds per request. The CPU computes with the server's BLAS, as ``serve``.
+phase's milliseconds per request; with ``--profile TOP`` on a GPU, also the device's busy
+time per request and the TOP kernels in it (CUPTI, as ``gpu_decode.py --profile``). The CPU
+computes with the server's BLAS, as ``serve``.
 
     python bench/churn.py --schemes fp16,affine4 --requests 32 --concurrency 8
     python bench/churn.py --schemes affine4 --requests 16 --document-tokens 4000 --max-tokens 64 --rounds 1
+    python bench/churn.py --model /root/models/llama3-8b-q4 --requests 8 --document-tokens 16000 \
+        --max-tokens 64 --rounds 1      # the 8B shape (bench/shaped_model.py) on a GPU
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ def parse(argv):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="on a GPU: the device's busy time per request in each round, and its TOP kernels")
+    p.add_argument("--model", default=None,
+                   help="a model directory (bench/shaped_model.py writes one) instead of the default model")
     p.add_argument("--document-tokens", type=int, default=0,
                    help="long contexts: every request asks its own question about one shared document "
                         "of about this many tokens, put in the prefix cache before the clocks start")
@@ -122,8 +130,10 @@ def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas
     of its own): a later round differs from the first only by what the process keeps (MLX's
     buffers and compiled kernels). ``clocks`` restart after the warm-up. Returns seconds, tokens, TTFTs, kernel files compiled
     and prefix-cache entries on disk."""
+    from gpu_decode import device_split
     from kvserve.cache import parse_scheme
     from kvserve.configs import CacheConfig, EngineConfig
+    from kvserve.kernels.bench_cases import kernel_records
     from kvserve.server.engine.device import kernel_files
     from kvserve.server.engine.loop import Engine
     from kvserve.server.engine.model_loader import make_loader
@@ -139,7 +149,15 @@ def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas
         run_round(engine, [chat(warm)], 1, 8)
     clocks.clear()  # the warm-ups ran through the same phases: only the round's own count
     kernels = kernel_files(loaded.device) if loaded.device is not None else 0
-    seconds, tokens, ttft = run_round(engine, prompts, args.concurrency, args.max_tokens)
+    rounds = []
+    run = lambda: rounds.append(run_round(engine, prompts, args.concurrency, args.max_tokens))  # noqa: E731
+    records = kernel_records(run) if args.profile else []
+    if not rounds:  # not profiled, or no CUPTI here (kernel_records then runs nothing)
+        run()
+    seconds, tokens, ttft = rounds[0]
+    if args.profile:
+        print(device_split(records, len(prompts), f"{scheme}, {loaded.device.backend if loaded.device else ''}",
+                           args.profile, unit="request"), flush=True)
     compiled = (kernel_files(loaded.device) if loaded.device is not None else 0) - kernels
     prefix = loaded.runner.prefix  # the engine is idle after the round
     disk = prefix.stats()["disk_entries"] if prefix is not None else 0
@@ -166,7 +184,7 @@ def main(argv=None) -> int:
     for name, attr in PHASES.items():
         setattr(ModelRunner, attr, timed(clocks, name, getattr(ModelRunner, attr)))
     ModelRunner._offer = waited(clocks, ModelRunner._offer)  # outside its clock
-    model = ModelConfig()
+    model = ModelConfig(model=args.model)
     count = tokenizer_counter(default_model_dir())
     warm = None
     if args.document_tokens:
@@ -174,7 +192,7 @@ def main(argv=None) -> int:
     else:
         texts = make_prompts(args.requests, args.prompt_tokens, count)
     print(f"device: {mx.device_info().get('device_name', mx.default_device())}, mlx {mx.__version__}; "
-          f"the default model, {args.requests} requests, {args.concurrency} in flight, "
+          f"{args.model or 'the default model'}, {args.requests} requests, {args.concurrency} in flight, "
           + (f"questions over one ~{args.document_tokens}-token document" if args.document_tokens
              else f"~{args.prompt_tokens} prompt tokens") + f", {args.max_tokens} out")
     print("| scheme | round | s | tok/s | TTFT p50 ms | compiled | on disk | "

@@ -177,10 +177,10 @@ def time_steps(model, cache, batch: int, steps: int) -> list[float]:
 PROFILED_STEPS = 4
 
 
-def device_split(records: list, steps: int, loop: str, top: int = 6) -> str:
+def device_split(records: list, steps: int, loop: str, top: int = 6, unit: str = "step") -> str:
     """Where the device's time in ``steps`` steps goes (``records``: ``kernel_records`` of
     them): kernel-busy ms per step against the span from the first kernel to the last, and
-    the kernels that take most of it."""
+    the kernels that take most of it (``unit``: what ``steps`` counts, as printed)."""
     from collections import defaultdict
 
     if not records:
@@ -192,7 +192,7 @@ def device_split(records: list, steps: int, loop: str, top: int = 6) -> str:
         launches[name] += 1
     busy = sum(by_name.values())
     span = (max(r[2] for r in records) - min(r[1] for r in records)) / steps
-    lines = [f"  {loop}: device busy {busy / 1e3:.2f} ms per step in {len(records) / steps:.0f} kernels, "
+    lines = [f"  {loop}: device busy {busy / 1e3:.2f} ms per {unit} in {len(records) / steps:.0f} kernels, "
              f"first to last kernel {span / 1e3:.2f} ms"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"    {us / 1e3:7.3f} ms {launches[name] / steps:5.0f}x  {name[:110]}")

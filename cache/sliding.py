@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvserve.cache.base import causal_mask
+from kvserve.cache.base import causal_mask, row_offsets
 from kvserve.cache.registry import cache_class_by_name, register_kind, stores_scheme
 from kvserve.cache.scheme import KVScheme
 
@@ -227,7 +227,7 @@ class BatchSlidingKVCache(_Sliding):
 
     @property
     def offset(self) -> mx.array:
-        return mx.array(self.lengths)  # (B,)
+        return row_offsets(tuple(self.lengths))  # (B,), shared by the step's layers
 
     def _dropped_any(self) -> bool:
         return any(self.dropped)
