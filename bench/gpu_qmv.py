@@ -57,7 +57,8 @@ def rows_of(shape: tuple[str, int, int], group: int, rows: list[int], splits: li
         ref = mx.quantized_matmul(x.astype(mx.float32), wq, s.astype(mx.float32), b.astype(mx.float32),
                                   transpose=True, group_size=group, bits=bits)
         impls = {"mlx": lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)}
-        if cuda_qmv.on_cuda() and cuda_qmv.serves_weights(wq, s, group, bits, "affine") and M <= cuda_qmv.MAX_ROWS:
+        kernel_takes = cuda_qmv.serves_weights(wq, s, group, bits, "affine") and M <= cuda_qmv.MAX_ROWS
+        if cuda_qmv.on_cuda() and kernel_takes:
             default = cuda_qmv.split_for(K, N, bits)
             for split in splits:
                 impls[f"kvserve {split} warps" + (" (default)" if split == default else "")] = (

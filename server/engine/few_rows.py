@@ -6,9 +6,9 @@ percent of the card's bandwidth (``kvserve.kernels.cuda_qmv`` has the figures); 
 rewrite (``few_rows_qmv``, in the CUDA device profile) sends the products of a decode
 step's rows (``cuda_qmv.serves_rows``: 2 to ``MAX_ROWS``, one row too for a large matrix)
 to ``cuda_qmv``'s tensor-core kernel and everything else (prompt chunks, unsupported
-formats) to MLX as before. Only each module's class changes: its weights and parameters stay, so the
-rewrite adds no memory and composes with ``fused_projections`` (run after it, it takes the
-stacked linears too).
+formats) to MLX as before. Only each module's class changes: its weights and parameters
+stay, so the rewrite adds no memory and composes with ``fused_projections`` (run after it,
+it takes the stacked linears too).
 
     >>> import mlx.nn as nn
     >>> m = nn.Sequential(nn.QuantizedLinear(64, 32, bits=4, group_size=64), nn.Linear(4, 4))
