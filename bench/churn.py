@@ -149,12 +149,15 @@ def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas
         run_round(engine, [chat(warm)], 1, 8)
     clocks.clear()  # the warm-ups ran through the same phases: only the round's own count
     kernels = kernel_files(loaded.device) if loaded.device is not None else 0
-    rounds = []
-    run = lambda: rounds.append(run_round(engine, prompts, args.concurrency, args.max_tokens))  # noqa: E731
+    result = []
+
+    def run() -> None:
+        result.append(run_round(engine, prompts, args.concurrency, args.max_tokens))
+
     records = kernel_records(run) if args.profile else []
-    if not rounds:  # not profiled, or no CUPTI here (kernel_records then runs nothing)
+    if not result:  # not profiled, or no CUPTI here (kernel_records then runs nothing)
         run()
-    seconds, tokens, ttft = rounds[0]
+    seconds, tokens, ttft = result[0]
     if args.profile:
         print(device_split(records, len(prompts), f"{scheme}, {loaded.device.backend if loaded.device else ''}",
                            args.profile, unit="request"), flush=True)

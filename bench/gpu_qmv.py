@@ -17,7 +17,6 @@ products evaluated together.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import mlx.core as mx
@@ -75,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", choices=sorted(SHAPES), default="8b")
     p.add_argument("--rows", default="2,4,8",
-                   help="comma-separated activation rows (at 1 the server keeps MLX's kernel)")
+                   help="comma-separated activation rows (at 1 the server keeps MLX's kernel for "
+                        "matrices under cuda_qmv.ONE_ROW_WEIGHTS values)")
     p.add_argument("--splits", default=",".join(map(str, cuda_qmv.SPLITS)),
                    help="warps per block of kvserve's kernel, comma-separated")
     p.add_argument("--bits", type=int, default=4, choices=cuda_qmv.BITS)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     splits = [int(v) for v in a.splits.split(",")]
     rows = [int(v) for v in a.rows.split(",")]
     print(f"device: {mx.default_device()}; {a.shapes} shapes, {a.bits}-bit weights in groups of {group}, "
-          f"median of {a.calls} products")
+          f"mean of {a.calls} products")
     print("| shape | rows | impl | device us | weights GB/s | max diff |\n|---|---|---|---|---|---|")
     for shape in shapes:
         for r in rows_of(shape, group, rows, splits, a.bits, a.calls):

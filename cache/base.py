@@ -20,7 +20,6 @@ against (B, H_q, L, S). ``grouped_mask`` brings any of them to the grouped-query
 from __future__ import annotations
 
 import functools
-
 from typing import Any, ClassVar
 
 import mlx.core as mx
