@@ -118,6 +118,7 @@ def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
     from kvserve.cache.prefix import Namespace, PrefixCache
     from kvserve.configs import EngineConfig
     from kvserve.server.engine.request import Request, SamplingParams
+    from kvserve.server.engine.device import PREFILL_STEP
     from kvserve.server.engine.runner import ModelRunner
     from kvserve.server.engine.scheduler import Scheduler
 
@@ -128,8 +129,9 @@ def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
         prefix.insert(tokens[0].tolist(), row_cache(model, scheme, tokens))
         # Never ends by itself: timing stops after ``steps`` steps with every row decoding.
         requests.append(Request(tokens[0].tolist(), SamplingParams(max_tokens=1 << 20, temperature=0.0)))
-    config = EngineConfig()
-    scheduler = Scheduler(batch, config.prefill_step_size, batch, max(config.max_step_tokens, batch))
+    # Every prompt is a prefix hit but its last token: the chunk size does not matter here.
+    step, step_tokens = EngineConfig().step_sizes(PREFILL_STEP["cpu"])
+    scheduler = Scheduler(batch, step, batch, max(step_tokens, batch))
     runner = ModelRunner(model, parse_scheme(scheme), prefix=prefix)
     prefix = None  # the runner drops its reference once every prompt is in
     for r in requests:

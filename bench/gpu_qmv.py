@@ -43,7 +43,7 @@ def device_us(run, calls: int) -> float:
 
 
 def rows_of(shape: tuple[str, int, int], group: int, rows: list[int], splits: list[int],
-            bits: int, calls: int) -> list[dict]:
+            bits: int, calls: int, dequantized: bool = False) -> list[dict]:
     name, K, N = shape
     key = mx.random.key(sum(shape[1:]))
     w = (mx.random.normal((N, K), key=key) * 0.05).astype(mx.float16)
@@ -53,13 +53,15 @@ def rows_of(shape: tuple[str, int, int], group: int, rows: list[int], splits: li
     out = []
     for M in rows:
         x = (mx.random.normal((M, K), key=mx.random.key(M)) * 0.5).astype(mx.float16)
-        ref = mx.quantized_matmul(x.astype(mx.float32), wq, s.astype(mx.float32), b.astype(mx.float32),
-                                  transpose=True, group_size=group, bits=bits)
+        ref = x.astype(mx.float32) @ mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32).T
         impls = {"mlx": lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)}
+        if dequantized:  # the weights decoded to x's dtype, then MLX's dense matmul (a prompt's path?)
+            impls["mlx dequantize + matmul"] = lambda: x @ mx.dequantize(wq, s, b, group_size=group, bits=bits).T
         kernel_takes = cuda_qmv.serves_weights(wq, s, group, bits, "affine") and M <= cuda_qmv.MAX_ROWS
         if cuda_qmv.on_cuda() and kernel_takes:
-            default = cuda_qmv.split_for(K, N, bits)
-            for split in splits:
+            tiles = cuda_qmv.tiles_for(M)
+            default = cuda_qmv.split_for(K, N, bits, tiles)
+            for split in [n for n in splits if n * tiles <= cuda_qmv.MAX_SPLIT_TILES]:
                 impls[f"kvserve {split} warps" + (" (default)" if split == default else "")] = (
                     lambda n=split: cuda_qmv.quantized_matmul(x, wq, s, b, group, bits, split=n))
         for impl, run in impls.items():
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="warps per block of kvserve's kernel, comma-separated")
     p.add_argument("--bits", type=int, default=4, choices=cuda_qmv.BITS)
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--dequantized", action="store_true",
+                   help="also time the weights dequantized then MLX's dense matmul")
     a = p.parse_args(argv)
     group, shapes = SHAPES[a.shapes]
     splits = [int(v) for v in a.splits.split(",")]
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
           f"mean of {a.calls} products")
     print("| shape | rows | impl | device us | weights GB/s | max diff |\n|---|---|---|---|---|---|")
     for shape in shapes:
-        for r in rows_of(shape, group, rows, splits, a.bits, a.calls):
+        for r in rows_of(shape, group, rows, splits, a.bits, a.calls, a.dequantized):
             print(f"| {r['shape']} | {r['rows']} | {r['impl']} | {r['us']} | {r['GB_s']} | {r['max_diff']} |")
 
 

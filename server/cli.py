@@ -70,7 +70,8 @@ def _engine_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-queued-requests", type=int, help="waiting requests before 429")
     serve.add_argument("--max-batch-size", type=int, help="requests running together (default 8)")
     serve.add_argument("--max-step-tokens", type=int,
-                       help="tokens per engine step, decodes plus prompt chunks (default 256)")
+                       help="tokens per engine step, decodes plus prompt chunks (default: the device's "
+                            "prompt chunk, 256 on the CPU, 1024 on CUDA)")
     serve.add_argument("--kv-memory", help="bytes the KV caches of all requests may hold, e.g. 4GiB; "
                                            "beyond it requests are preempted (swapped to disk) and "
                                            "resume later (default: a quarter of the machine's memory)")

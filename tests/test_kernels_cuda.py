@@ -370,20 +370,26 @@ def test_the_turbo_encoder_kernel_serves_only_a_cuda_gpu_and_its_shapes():
     assert not cuda_encode.serves(x, codec.pi, 8)
 
 
+def _dequantized_product(x, wq, s, b, group, bits):
+    """x times the quantized weights, in float32 (the products the kernel must match)."""
+    return x.astype(mx.float32) @ mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32).T
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("split", cuda_qmv.SPLITS)
 def test_every_few_rows_split_gives_the_same_product(split):
-    """Each count of warps per block the benchmark may choose, on a width that leaves the
-    last superblock part-empty (1152 = 9 superblocks of 128 values: some warps take one
+    """Each count of warps per block the benchmark may choose, at each count of column
+    tiles it allows, on a width that leaves the last superblock part-empty (1152 = 9 superblocks of 128 values: some warps take one
     more than others, or none) and an output count that leaves the last block part-empty
     (390 = 24 x 16 + 6)."""
     K, N = 1152, 390
     wq, s, b = mx.quantize((mx.random.normal((N, K), key=mx.random.key(5)) * 0.05).astype(mx.float16),
                            group_size=64, bits=4)
-    for M in (1, 5, 8):
+    for M in (1, 5, 8, 13, 29, 64):  # 1, 2, 4 and 8 column tiles, the last ones part-empty
+        if split * cuda_qmv.tiles_for(M) > cuda_qmv.MAX_SPLIT_TILES:
+            continue
         x = mx.random.normal((M, K), key=mx.random.key(M)).astype(mx.float16)
-        want = mx.quantized_matmul(x.astype(mx.float32), wq, s.astype(mx.float32), b.astype(mx.float32),
-                                   transpose=True, group_size=64, bits=4)
+        want = _dequantized_product(x, wq, s, b, 64, 4)
         got = cuda_qmv.quantized_matmul(x, wq, s, b, 64, 4, split=split)
         np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), rtol=0.02, atol=0.02)
 
@@ -392,21 +398,21 @@ def test_every_few_rows_split_gives_the_same_product(split):
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (4, 128), (8, 64)])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_few_rows_qmv_equals_mlx_quantized_matmul(bits, group, dtype):
-    """1 to 9 rows, a width that leaves the kernel's last superblock part-empty (1152 = 9 x
-    128) and an output count that leaves a block part-empty (390); through the rewrite's
-    module, which hands 1 row of this small matrix and 9 rows back to MLX. 8-bit weights with bfloat16 scales
+    """1 to 9 rows and each count of column tiles (up to 64 rows), a width that leaves the
+    kernel's last superblock part-empty (1152 = 9 x 128) and an output count that leaves a
+    block part-empty (390); through the rewrite's module, which hands 1 row of this small
+    matrix and 65 rows back to MLX, and multiplies ``DENSE_ROWS`` rows by the dequantized weights. 8-bit weights with bfloat16 scales
     stay with MLX (``serves`` is false there)."""
     import mlx.nn as nn
     from kvserve.kernels import cuda_qmv
-    from kvserve.server.engine.few_rows import FewRowsQuantizedLinear, install_few_rows
+    from kvserve.server.engine.few_rows import DENSE_ROWS, FewRowsQuantizedLinear, install_few_rows
 
     K, N = 1152, 390
     w = (mx.random.normal((N, K), key=mx.random.key(3)) * 0.05).astype(dtype)
     wq, s, b = mx.quantize(w, group_size=group, bits=bits)
-    for M in range(1, 10):
+    for M in (*range(1, 10), 16, 17, 33, 64, 65):
         x = mx.random.normal((1, M, K), key=mx.random.key(M)).astype(dtype)
-        ref = mx.quantized_matmul(x.astype(mx.float32), wq, s.astype(mx.float32), b.astype(mx.float32),
-                                  transpose=True, group_size=group, bits=bits)
+        ref = _dequantized_product(x, wq, s, b, group, bits)
         taken = 2 <= M <= cuda_qmv.MAX_ROWS and not (bits == 8 and dtype == mx.bfloat16)  # a small matrix
         assert cuda_qmv.serves(x, wq, s, group, bits, "affine") is taken
         if taken:
@@ -415,7 +421,7 @@ def test_few_rows_qmv_equals_mlx_quantized_matmul(bits, group, dtype):
             np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(ref), rtol=0.02, atol=0.02)
     linear = nn.QuantizedLinear(K, N, bias=True, group_size=group, bits=bits)
     linear.set_dtype(dtype)
-    plain = {n: linear(mx.ones((1, n, K), dtype)) for n in (1, 8, 9)}
+    plain = {n: linear(mx.ones((1, n, K), dtype)) for n in (1, 8, 9, 64, 65, DENSE_ROWS)}
     mlx_keeps = bits == 8 and dtype == mx.bfloat16
     assert install_few_rows(linear) == (0 if mlx_keeps else 1)
     assert (type(linear) is FewRowsQuantizedLinear) is not mlx_keeps

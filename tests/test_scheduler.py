@@ -131,7 +131,8 @@ def test_step_budget_must_fit_every_decoding_request():
 def test_engine_config_defaults_batch_eight():
     from kvserve.configs import ConfigError, EngineConfig
 
-    assert (EngineConfig().max_batch_size, EngineConfig().max_step_tokens) == (8, 256)
+    assert (EngineConfig().max_batch_size, EngineConfig().max_step_tokens) == (8, None)  # the device's
+    assert EngineConfig().step_sizes(256) == (256, 256)
     assert EngineConfig(prefill_step_size=4).max_step_tokens == 8  # room for every decode
     with pytest.raises(ConfigError):
         EngineConfig(max_batch_size=8, max_step_tokens=4)

@@ -23,13 +23,15 @@ def _ropes(model) -> set[type]:
     return {type(m) for _, m in model.named_modules() if isinstance(m, (nn.RoPE, TableRoPE))}
 
 
-@pytest.mark.parametrize("backend, rope, rewrites", [("cpu", TableRoPE, CPU_REWRITES), ("cuda", nn.RoPE, ("fused_projections", "few_rows_qmv")),
-                                                    ("metal", nn.RoPE, ())])
-def test_each_device_gets_its_own_rewrites(tiny_model_dir, tmp_path, backend, rope, rewrites):
+@pytest.mark.parametrize("backend, rope, rewrites, chunk", [
+    ("cpu", TableRoPE, CPU_REWRITES, 256), ("cuda", nn.RoPE, ("fused_projections", "few_rows_qmv"), 1024),
+    ("metal", nn.RoPE, (), 256)])
+def test_each_device_gets_its_own_rewrites(tiny_model_dir, tmp_path, backend, rope, rewrites, chunk):
     """The CPU's table RoPE (slower on a GPU, where mx.fast.rope is one kernel) is installed
     only by the CPU profile; CUDA's stacks the projections (its steps are bound by kernel
-    launches); Metal keeps the model's own modules."""
+    launches) and prefills in chunks of 1024; Metal keeps the model's own modules."""
     device = profile_for(backend)
+    assert device.prefill_step_size == chunk
     loaded = load_model(ModelConfig(model=str(tiny_model_dir), cache_dir=str(tmp_path), weight_format="as-loaded"),
                         parse_scheme("fp16"), "test", device=device)
     assert _ropes(loaded.runner.model) == {rope}
@@ -52,6 +54,23 @@ def test_warmup_requests_fit_the_context_and_leave_one_step_apart():
     assert [len(r.prompt_tokens) for r in rows] == [5, 133, 261, 389, 495, 495, 495, 495]
     # 2,768 prompt tokens at 248 a step (8 go to decoding rows): 12 steps, one more to spare
     assert [r.params.max_tokens for r in rows] == list(range(14, 22))
+
+
+@pytest.mark.parametrize("backend, configured, want", [("cuda", {}, (1024, 1024)), ("cpu", {}, (256, 256)),
+                                                      ("cuda", {"prefill_step_size": 64}, (64, 64)),
+                                                      ("cuda", {"max_step_tokens": 300}, (1024, 300))])
+def test_the_scheduler_takes_the_chunk_size_the_config_leaves_to_the_device(tiny_model_dir, tmp_path, backend,
+                                                                           configured, want):
+    """An engine whose config sets no chunk size prefills in its device profile's chunks
+    (the step's token budget follows unless set); a configured size is kept on any device."""
+    load = make_loader(ModelConfig(model=str(tiny_model_dir), cache_dir=str(tmp_path), weight_format="as-loaded"),
+                       parse_scheme("fp16"), "test", device=profile_for(backend, "off"))
+    engine = Engine(load, EngineConfig(**configured))
+    engine.start()
+    try:
+        assert (engine.scheduler.prefill_step_size, engine.scheduler.max_step_tokens) == want
+    finally:
+        engine.stop(30)
 
 
 def _engine(model_dir, cache_dir, warmup: str) -> Engine:

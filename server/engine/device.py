@@ -17,10 +17,10 @@ a directory under the cache dir so a restarted server reuses them.
 
     >>> p = profile_for("cpu")
     >>> p.rewrites, p.warmup, p.describe()
-    (('table_rope', 'cpu_ops'), False, 'cpu: rewrites table_rope, cpu_ops; no warm-up')
+    (('table_rope', 'cpu_ops'), False, 'cpu: rewrites table_rope, cpu_ops; prompt chunks of 256; no warm-up')
     >>> g = profile_for("cuda", kernel_cache="/c/kernels/mlx-0.32.4/sm_90")
     >>> g.rewrites, g.warmup, g.describe()
-    (('fused_projections', 'few_rows_qmv'), True, 'cuda: rewrites fused_projections, few_rows_qmv; warm-up before ready; kernels kept in /c/kernels/mlx-0.32.4/sm_90')
+    (('fused_projections', 'few_rows_qmv'), True, 'cuda: rewrites fused_projections, few_rows_qmv; prompt chunks of 1024; warm-up before ready; kernels kept in /c/kernels/mlx-0.32.4/sm_90')
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ from pathlib import Path
 KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 CPU_REWRITES = ("table_rope", "cpu_ops")
 REWRITES = {"cpu": CPU_REWRITES, "cuda": ("fused_projections", "few_rows_qmv"), "metal": ()}
+# Prompt tokens per forward pass where the config leaves it unset. The CPU measured fastest
+# at 256. On CUDA a prompt's products run on the weights dequantized once per chunk
+# (``few_rows.DENSE_ROWS``), so longer chunks pay that once for more tokens: an 8,000-token
+# prompt of the Llama-3-8B shape (4-bit, H100) prefilled in 272 ms a request at 1024
+# against 775 ms at 256 (docs/benchmarks/gpu-serve.md, thirteenth round). Metal is unmeasured.
+PREFILL_STEP = {"cpu": 256, "cuda": 1024, "metal": 256}
 
 
 @dataclass(frozen=True)
@@ -47,16 +53,18 @@ class DeviceProfile:
     rewrites: tuple[str, ...]
     warmup: bool
     kernel_cache: str = ""
+    prefill_step_size: int = PREFILL_STEP["cpu"]  # where the config leaves it unset
 
     def describe(self) -> str:
         rewrites = f"rewrites {', '.join(self.rewrites)}" if self.rewrites else "no rewrites"
         warm = "warm-up before ready" if self.warmup else "no warm-up"
         kept = f"; kernels kept in {self.kernel_cache}" if self.kernel_cache else ""
-        return f"{self.backend}: {rewrites}; {warm}{kept}"
+        return f"{self.backend}: {rewrites}; prompt chunks of {self.prefill_step_size}; {warm}{kept}"
 
     def card(self) -> dict:
         """The profile as ``/v1/models`` shows it."""
-        return {"backend": self.backend, "rewrites": list(self.rewrites), "warmup": self.warmup}
+        return {"backend": self.backend, "rewrites": list(self.rewrites), "warmup": self.warmup,
+                "prefill_step_size": self.prefill_step_size}
 
 
 def profile_for(backend: str, warmup: str = "auto", kernel_cache: str = "") -> DeviceProfile:
@@ -64,7 +72,7 @@ def profile_for(backend: str, warmup: str = "auto", kernel_cache: str = "") -> D
     ("auto": on where kernels compile at first use, i.e. on a GPU)."""
     on_gpu = backend != "cpu"
     warm = on_gpu if warmup == "auto" else warmup == "on"
-    return DeviceProfile(backend, REWRITES[backend], warm, kernel_cache if on_gpu else "")
+    return DeviceProfile(backend, REWRITES[backend], warm, kernel_cache if on_gpu else "", PREFILL_STEP[backend])
 
 
 def choose_profile(cache_dir: Path, warmup: str = "auto") -> DeviceProfile:

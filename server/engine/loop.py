@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvserve.configs import EngineConfig
+from kvserve.server.engine.device import PREFILL_STEP
 from kvserve.server.engine.kv_memory import KVBudget, kv_budget
 from kvserve.server.engine.metrics import EngineMetrics
 from kvserve.server.engine.output import OutputState, StopMatcher
@@ -82,9 +83,11 @@ class Engine:
         self.kv_budget: KVBudget | None = None  # known once the model is loaded
         # submit() bounds what is in flight; the inbox may hand the scheduler all of it at
         # once, before a step admits any, so its waiting queue holds that whole bound.
-        self.scheduler = Scheduler(config.max_batch_size, config.prefill_step_size,
+        # Chunk sizes the config leaves unset are the device profile's, known once loaded.
+        step, step_tokens = config.step_sizes(PREFILL_STEP["cpu"])
+        self.scheduler = Scheduler(config.max_batch_size, step,
                                    config.max_queued_requests + config.max_batch_size,
-                                   config.max_step_tokens, None,  # KV tokens: set once loaded
+                                   step_tokens, None,  # KV tokens: set once loaded
                                    config.num_draft_tokens if config.speculative != "off" else 0)
         self._live: dict[str, _Live] = {}
         self.metrics = EngineMetrics(kv_scheme="")  # named once the model (and scheme) loaded
@@ -170,6 +173,9 @@ class Engine:
             return
         self.kv_budget = kv_budget(self.config.kv_memory, self.model.kv_token_bytes)
         self.scheduler.max_kv_tokens = self.kv_budget.tokens
+        if self.model.device is not None:
+            self.scheduler.prefill_step_size, self.scheduler.max_step_tokens = self.config.step_sizes(
+                self.model.device.prefill_step_size)
         if self.model.device is not None and self.model.device.warmup:
             self._warm_up()
         self.metrics.kv_budget_bytes = self.kv_budget.bytes
@@ -227,9 +233,9 @@ class Engine:
         device = self.model.device
         report, kernels, started = WarmupReport(), kernel_files(device), time.monotonic()
         errors: list[str] = []
-        for request in warmup_requests(self.scheduler.max_running, self.config.prefill_step_size,
+        for request in warmup_requests(self.scheduler.max_running, self.scheduler.prefill_step_size,
                                        warmup_tokens(self.model.tokenizer), self.model.info.context_length,
-                                       self.config.max_step_tokens):
+                                       self.scheduler.max_step_tokens):
             self._inflight += 1
             self._admit(request, lambda event: errors.append(event.error) if event.error else None)
         while self.scheduler.has_work:
