@@ -15,6 +15,13 @@ prefix cache). The runner's phases are timed, wall clock on the engine thread, i
   * ``release``: a finished request's ``offer`` and its row leaving the batch (``keep``);
   * ``undo``: dropping the step queued ahead when the rows change.
 
+``--steps`` also prints each round's steps as the runner took them (decoding rows, planned
+prompt chunks, the step's wall ms and the engine's ms before it: what a joining or leaving
+row costs the others), and the median of the steps that only decode a full batch.
+``--prefill-step-size`` sets the engine's prompt chunk (unset: the device profile's), and
+``--dense-rows`` the rows from which a CUDA prompt chunk multiplies dequantized weights
+(``few_rows.DENSE_ROWS``; a large value keeps MLX's quantized GEMM), for A/B runs.
+
 With ``--document-tokens N`` every request instead asks its own question about one shared
 document of about N tokens (``kvserve bench --document-tokens``), put in the prefix cache by
 one request before the clocks start: the long-context workload, whose measured steps decode
@@ -79,6 +86,10 @@ def parse(argv):
                    help="on a GPU: the device's busy time per request in each round, and its TOP kernels")
     p.add_argument("--model", default=None,
                    help="a model directory (bench/shaped_model.py writes one) instead of the default model")
+    p.add_argument("--steps", action="store_true", help="print each round's steps (rows, chunks, ms)")
+    p.add_argument("--prefill-step-size", type=int, default=None, help="prompt tokens per chunk (unset: the device's)")
+    p.add_argument("--dense-rows", type=int, default=None,
+                   help="CUDA: rows from which prompt chunks multiply dequantized weights (few_rows.DENSE_ROWS)")
     p.add_argument("--document-tokens", type=int, default=0,
                    help="long contexts: every request asks its own question about one shared document "
                         "of about this many tokens, put in the prefix cache before the clocks start")
@@ -125,7 +136,37 @@ def run_round(engine, prompts: list[list[int]], concurrency: int, max_tokens: in
     return time.perf_counter() - t0, live["tokens"], ttft
 
 
-def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas: str, clocks: dict) -> tuple:
+def logged(steps: list, fn):
+    """``ModelRunner.execute`` that logs (decoding rows, planned chunk sizes, its ms, the
+    engine's ms since the previous step ended)."""
+    def wrapper(self, plan):
+        t0 = time.perf_counter()
+        try:
+            return fn(self, plan)
+        finally:
+            end = time.perf_counter()
+            gap = t0 - steps[-1][-1] if steps else 0.0
+            steps.append((len(plan.decode), tuple(c.num_tokens for c in plan.prefill), end - t0, gap, end))
+    return wrapper
+
+
+def step_lines(steps: list, full: int) -> list[str]:
+    """The logged steps: every one that prefills or follows a change of rows, and the median
+    of those that decode ``full`` rows and nothing else."""
+    out, rows = [], None
+    for i, (decode, chunks, ms, gap, _) in enumerate(steps):
+        if chunks or decode != rows:
+            out.append(f"  step {i}: {decode} decoding, chunks {list(chunks)}: {1e3 * ms:.1f} ms, "
+                       f"{1e3 * gap:.1f} ms before it")
+        rows = decode
+    steady = [ms for decode, chunks, ms, *_ in steps if decode == full and not chunks]
+    if steady:
+        out.append(f"  {len(steady)} steps decoding {full} rows alone: median {1e3 * statistics.median(steady):.2f} ms")
+    return out
+
+
+def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas: str, clocks: dict,
+              steps: list) -> tuple:
     """The same prompts on a new engine (its warm-up served, an empty prefix cache in a folder
     of its own): a later round differs from the first only by what the process keeps (MLX's
     buffers and compiled kernels). ``clocks`` restart after the warm-up. Returns seconds, tokens, TTFTs, kernel files compiled
@@ -140,7 +181,8 @@ def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas
 
     folder = tempfile.mkdtemp(prefix="kvserve-churn-")
     cache = None if args.no_prefix_cache else CacheConfig(kv_scheme=scheme, prompt_cache_dir=folder)
-    engine = Engine(make_loader(model, parse_scheme(scheme), blas, cache=cache), EngineConfig())
+    engine = Engine(make_loader(model, parse_scheme(scheme), blas, cache=cache),
+                    EngineConfig(prefill_step_size=args.prefill_step_size))
     loaded = engine.start()
     chat = lambda text: list(loaded.tokenizer.apply_chat_template(  # noqa: E731
         [{"role": "user", "content": text}], add_generation_prompt=True))
@@ -148,6 +190,7 @@ def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas
     if warm is not None:  # the shared document into the prefix cache, as kvserve bench's warm-up does
         run_round(engine, [chat(warm)], 1, 8)
     clocks.clear()  # the warm-ups ran through the same phases: only the round's own count
+    steps.clear()
     kernels = kernel_files(loaded.device) if loaded.device is not None else 0
     result = []
 
@@ -162,6 +205,8 @@ def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas
         print(device_split(records, len(prompts), f"{scheme}, {loaded.device.backend if loaded.device else ''}",
                            args.profile, unit="request"), flush=True)
     compiled = (kernel_files(loaded.device) if loaded.device is not None else 0) - kernels
+    if args.steps:
+        print("\n".join(step_lines(steps, args.concurrency)), flush=True)
     prefix = loaded.runner.prefix  # the engine is idle after the round
     disk = prefix.stats()["disk_entries"] if prefix is not None else 0
     engine.stop()
@@ -186,6 +231,12 @@ def main(argv=None) -> int:
     clocks: dict[str, list[float]] = defaultdict(list)
     for name, attr in PHASES.items():
         setattr(ModelRunner, attr, timed(clocks, name, getattr(ModelRunner, attr)))
+    steps: list[tuple] = []
+    ModelRunner.execute = logged(steps, ModelRunner.execute)
+    if args.dense_rows is not None:
+        from kvserve.server.engine import few_rows
+
+        few_rows.DENSE_ROWS = args.dense_rows
     ModelRunner._offer = waited(clocks, ModelRunner._offer)  # outside its clock
     model = ModelConfig(model=args.model)
     count = tokenizer_counter(default_model_dir())
@@ -202,7 +253,8 @@ def main(argv=None) -> int:
           + " | ".join(f"{p} ms/req" for p in COLUMNS) + " |\n" + "|---" * (7 + len(COLUMNS)) + "|", flush=True)
     for scheme in args.schemes.split(","):
         for rnd in range(args.rounds):
-            seconds, tokens, ttft, compiled, disk = one_round(scheme, model, texts, warm, args, blas.describe(), clocks)
+            seconds, tokens, ttft, compiled, disk = one_round(scheme, model, texts, warm, args, blas.describe(),
+                                                              clocks, steps)
             per = " | ".join(f"{1e3 * sum(clocks[p]) / args.requests:.1f}" for p in COLUMNS)
             print(f"| {scheme} | {rnd + 1} | {seconds:.2f} | {tokens / seconds:.1f} | "
                   f"{1e3 * statistics.median(ttft):.0f} | {compiled} | {disk} | {per} |", flush=True)

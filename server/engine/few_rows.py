@@ -34,7 +34,7 @@ from kvserve.kernels import cuda_qmv
 # on an H100, Llama-3-8B's 4-bit shapes (docs/benchmarks/gpu-serve.md, thirteenth round):
 # at 128 rows the dense product lost on the two widest matrices (gate/up 389 against 329 us,
 # head 672 against 484), at 192 it tied or won on all five, at 256 it won 1.3-2.3x, at
-# 2048 3.5-3.8x (gate/up 952 against 3507 us).
+# 2048 3.2-3.8x (gate/up 952 against 3507 us).
 DENSE_ROWS = 192
 
 
