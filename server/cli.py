@@ -191,7 +191,7 @@ def serve(config: ServerConfig) -> int:
         scheme = parse_scheme(config.cache.kv_scheme)
     except UnknownScheme as exc:
         raise ConfigError(str(exc)) from None
-    device = choose_profile(config.model.resolved_cache_dir(), config.engine.warmup)
+    device = choose_profile(config.model.resolved_cache_dir(), config.engine.warmup, config.engine.prefill_step_size)
     _progress(f"device: {device.describe()}")
     group = _join_group() if config.engine.distributed else None
     if group is not None and group.rank() != 0:

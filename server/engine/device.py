@@ -67,15 +67,22 @@ class DeviceProfile:
                 "prefill_step_size": self.prefill_step_size}
 
 
-def profile_for(backend: str, warmup: str = "auto", kernel_cache: str = "") -> DeviceProfile:
+def profile_for(backend: str, warmup: str = "auto", kernel_cache: str = "",
+                prefill_step_size: int | None = None) -> DeviceProfile:
     """The profile of ``backend``; ``warmup`` "on"/"off" overrides the device's default
-    ("auto": on where kernels compile at first use, i.e. on a GPU)."""
+    ("auto": on where kernels compile at first use, i.e. on a GPU), and a configured
+    ``prefill_step_size`` the device's chunk (so the profile shows what is served).
+
+        >>> profile_for("cuda").prefill_step_size, profile_for("cuda", prefill_step_size=64).prefill_step_size
+        (1024, 64)
+    """
     on_gpu = backend != "cpu"
     warm = on_gpu if warmup == "auto" else warmup == "on"
-    return DeviceProfile(backend, REWRITES[backend], warm, kernel_cache if on_gpu else "", PREFILL_STEP[backend])
+    return DeviceProfile(backend, REWRITES[backend], warm, kernel_cache if on_gpu else "",
+                         prefill_step_size or PREFILL_STEP[backend])
 
 
-def choose_profile(cache_dir: Path, warmup: str = "auto") -> DeviceProfile:
+def choose_profile(cache_dir: Path, warmup: str = "auto", prefill_step_size: int | None = None) -> DeviceProfile:
     """The profile of MLX's default device. On CUDA this also points MLX's compiled-kernel
     cache at ``cache_dir/kernels/mlx-<version>/<device>`` (one folder per MLX version and
     device: a kernel compiled for one architecture must not load on another), unless the
@@ -83,15 +90,15 @@ def choose_profile(cache_dir: Path, warmup: str = "auto") -> DeviceProfile:
     import mlx.core as mx
 
     if mx.default_device() != mx.gpu:
-        return profile_for("cpu", warmup)
+        return profile_for("cpu", warmup, prefill_step_size=prefill_step_size)
     if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
-        return profile_for("metal", warmup)
+        return profile_for("metal", warmup, prefill_step_size=prefill_step_size)
     folder = os.environ.get(KERNEL_CACHE_ENV)
     if not folder:
         folder = str(cache_dir / "kernels" / f"mlx-{mx.__version__}" / _device_tag())
         Path(folder).mkdir(parents=True, exist_ok=True)
         os.environ[KERNEL_CACHE_ENV] = folder
-    return profile_for("cuda", warmup, folder)
+    return profile_for("cuda", warmup, folder, prefill_step_size)
 
 
 def kernel_files(profile: DeviceProfile) -> int:
