@@ -1,14 +1,25 @@
-"""Whether a new shape of a decode step compiles the CUDA attention kernels again: the first
-and second call of the dispatch's affine4 attention for each query dtype, batch size and
-length (each a new shape family), on MLX's default device.
+"""Whether a new shape costs a first call more than a repeated one, on MLX's default device.
+
+Decode steps (the default): the first and second call of the dispatch's affine4 attention
+for each query dtype, batch size and length (each a new shape family, which compiles the
+CUDA attention kernels again if anything does). Shapes as the default model's layers have
+them: 9 query heads over 3 KV heads, D = 64.
+
+``--chunks``: a prompt chunk after a cached prefix, as the fp16 cache attends to it
+(``cache.fp16.attend_raw``, K/V slices of a buffer with spare room, a causal mask), in
+Llama-3-8B's attention shape (32 query heads over 8 KV heads, D = 128, float16): each
+(L, T) once, again, and at T + 1 (a new shape, as every admitted request's chunk is). MLX's
+CUDA attention builds a cuDNN graph per shape; ``MLX_CUDA_USE_CUDNN_SDPA=0`` in the
+environment turns that off for comparison.
 
     python bench/gpu_first_calls.py            # docs/benchmarks/gpu-serve.md quotes it
-
-Shapes as the default model's layers have them: 9 query heads over 3 KV heads, D = 64.
+    python bench/gpu_first_calls.py --chunks
+    MLX_CUDA_USE_CUDNN_SDPA=0 python bench/gpu_first_calls.py --chunks
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import mlx.core as mx
@@ -19,12 +30,38 @@ from kvserve.kernels import dispatch
 
 
 def call_ms(q: mx.array, parts: tuple[mx.array, ...], fmt: QuantizedFormat) -> float:
+    mx.eval(q, parts)  # the inputs' own making is not the call's
     start = time.perf_counter()
     mx.eval(dispatch.attend(q, fmt, parts, fmt, parts, 0.125, None))
     return (time.perf_counter() - start) * 1e3
 
 
+def chunk_ms(L: int, T: int, capacity: int) -> float:
+    """One fp16 prompt chunk of ``L`` queries over ``T`` stored tokens, evaluated."""
+    from kvserve.cache.fp16 import attend_raw
+
+    q = mx.random.normal((1, 32, L, 128)).astype(mx.float16)
+    k, v = (mx.random.normal((1, 8, capacity, 128)).astype(mx.float16)[:, :, :T] for _ in range(2))
+    mx.eval(q, k, v)
+    start = time.perf_counter()
+    mx.eval(attend_raw(q, k, v, 128 ** -0.5, "causal"))
+    return (time.perf_counter() - start) * 1e3
+
+
+def chunks() -> None:
+    print(f"device: {mx.default_device()}; fp16 prompt chunks, 32 query heads over 8 KV heads, D = 128")
+    on_gpu = mx.default_device() == mx.gpu  # a CPU takes minutes over 1024 queries at this shape
+    for L in (20, 27, 256, 1024) if on_gpu else (20, 27, 256):
+        for T in (4096, 14180):
+            capacity = -(-(T + 2) // 256) * 256  # the cache's buffer: room in whole granules
+            times = [chunk_ms(L, T, capacity), chunk_ms(L, T, capacity), chunk_ms(L, T + 1, capacity)]
+            print(f"L={L} T={T}: first {times[0]:.1f} ms, again {times[1]:.1f} ms, "
+                  f"at T + 1 (a new shape) {times[2]:.1f} ms", flush=True)
+
+
 def main() -> None:
+    if "--chunks" in sys.argv[1:]:
+        return chunks()
     scheme = parse_scheme("affine4")
     fmt = QuantizedFormat(scheme.keys)
     print(f"device: {mx.default_device()}")
