@@ -13,13 +13,13 @@ CUDA attention builds a cuDNN graph per shape; ``MLX_CUDA_USE_CUDNN_SDPA=0`` in 
 environment turns that off for comparison.
 
     python bench/gpu_first_calls.py            # docs/benchmarks/gpu-serve.md quotes it
-    python bench/gpu_first_calls.py --chunks
+    python bench/gpu_first_calls.py --chunks [--queries 20,27,256,1024] [--contexts 4096,14180]
     MLX_CUDA_USE_CUDNN_SDPA=0 python bench/gpu_first_calls.py --chunks
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import mlx.core as mx
@@ -48,11 +48,10 @@ def chunk_ms(L: int, T: int, capacity: int) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def chunks() -> None:
+def chunks(queries: list[int], contexts: list[int]) -> None:
     print(f"device: {mx.default_device()}; fp16 prompt chunks, 32 query heads over 8 KV heads, D = 128")
-    on_gpu = mx.default_device() == mx.gpu  # a CPU takes minutes over 1024 queries at this shape
-    for L in (20, 27, 256, 1024) if on_gpu else (20, 27, 256):
-        for T in (4096, 14180):
+    for L in queries:
+        for T in contexts:
             capacity = -(-(T + 2) // 256) * 256  # the cache's buffer: room in whole granules
             times = [chunk_ms(L, T, capacity), chunk_ms(L, T, capacity), chunk_ms(L, T + 1, capacity)]
             print(f"L={L} T={T}: first {times[0]:.1f} ms, again {times[1]:.1f} ms, "
@@ -60,8 +59,15 @@ def chunks() -> None:
 
 
 def main() -> None:
-    if "--chunks" in sys.argv[1:]:
-        return chunks()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--chunks", action="store_true", help="fp16 prompt chunks instead of decode steps")
+    p.add_argument("--queries", default="", help="--chunks: query rows per chunk (default 20,27,256,1024; "
+                                                 "on a CPU 20,27,256)")
+    p.add_argument("--contexts", default="4096,14180", help="--chunks: stored tokens T")
+    a = p.parse_args()
+    if a.chunks:
+        default = "20,27,256,1024" if mx.default_device() == mx.gpu else "20,27,256"
+        return chunks([int(v) for v in (a.queries or default).split(",")], [int(v) for v in a.contexts.split(",")])
     scheme = parse_scheme("affine4")
     fmt = QuantizedFormat(scheme.keys)
     print(f"device: {mx.default_device()}")

@@ -98,13 +98,42 @@ def test_dispatch_picks_the_kernel_for_every_format_it_reads():
     assert dispatch.choose(mx_fmt, mx_fmt, 1, 100, mx.cpu) == "full"
 
 
-def test_calls_past_the_score_bound_take_the_blockwise_reference(monkeypatch):
-    """The same call, with the bound below its n_rep * L * T scores: the reference serves."""
+@pytest.mark.parametrize("mask", ["causal", "array", None])
+def test_chunks_past_the_score_bound_run_in_pieces_with_the_same_bits(monkeypatch, mask):
+    """The same call, with the bound below its n_rep * L * T scores: the kernel serves it in
+    pieces of query rows (3 rows a call here, the last piece 2), bit for bit what one call
+    gives; a causal piece reads only the keys its rows see."""
     scheme = parse_scheme("affine4")
     fmt = QuantizedFormat(scheme.keys)
     q = _rand((1, 4, 8, 64), 1)
     kp, vp = _stored(_rand((1, 2, 40, 64), 2), scheme.keys), _stored(_rand((1, 2, 40, 64), 3), scheme.values)
-    monkeypatch.setattr(cpu_attention, "MAX_SCORES", 2 * 8 * 40 - 1)
+    m = causal_mask(8, 32) if mask == "array" else mask
+    whole = cpu_attention.attend_cpu(q, fmt, kp, fmt, vp, 0.125, m)
+    monkeypatch.setattr(cpu_attention, "MAX_SCORES", 2 * 3 * 40 + 1)
+    lengths = []
+    real = cpu_attention._module
+
+    def counting():
+        module = real()
+
+        class Counted:
+            def stored_attention(self, q, *rest):
+                lengths.append((q.shape[2], rest[4][0].shape[2]))  # (rows, keys): after the keys' 4 spec fields
+                return module.stored_attention(q, *rest)
+        return Counted()
+
+    monkeypatch.setattr(cpu_attention, "_module", counting)
+    got = cpu_attention.attend_cpu(q, fmt, kp, fmt, vp, 0.125, m)
+    assert lengths == ([(3, 35), (3, 38), (2, 40)] if mask == "causal" else [(3, 40), (3, 40), (2, 40)])
+    assert mx.array_equal(got, whole).item()
+
+
+def test_one_row_past_the_score_bound_takes_the_blockwise_reference(monkeypatch):
+    scheme = parse_scheme("affine4")
+    fmt = QuantizedFormat(scheme.keys)
+    q = _rand((1, 4, 8, 64), 1)
+    kp, vp = _stored(_rand((1, 2, 40, 64), 2), scheme.keys), _stored(_rand((1, 2, 40, 64), 3), scheme.values)
+    monkeypatch.setattr(cpu_attention, "MAX_SCORES", 2 * 40 - 1)
     calls = []
     monkeypatch.setattr(cpu_attention, "attend_blockwise", lambda *a, **k: calls.append(1) or attend_full(*a, **k))
     got = cpu_attention.attend_cpu(q, fmt, kp, fmt, vp, 0.125, "causal")
