@@ -34,6 +34,17 @@ def round_up(n: int, granule: int) -> int:
     return -(-n // granule) * granule
 
 
+def row_runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """``rows`` as [start, stop) runs of consecutive rows, in order (``take``'s slices)."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
+
+
 def next_capacity(capacity: int, need: int, granule: int = DEFAULT_GRANULE) -> int:
     """Capacity after a growth: double, or straight to ``need`` (granule-rounded) if larger."""
     return max(2 * capacity, round_up(need, granule))
@@ -143,10 +154,22 @@ class GrowableBuffer:
     # --- batch algebra on storage (rows = sequences along axis 0) ---
 
     def take(self, rows: Sequence[int], drop_front: int = 0) -> None:
-        """Keep ``rows`` (in that order) and drop the first ``drop_front`` slots."""
+        """Keep ``rows`` (in that order) and drop the first ``drop_front`` slots, keeping the
+        spare capacity. Each run of consecutive rows is one slice, so the kept rows are one
+        contiguous copy (none where they are the first rows and no slot is dropped: the
+        parts become a view, and the left rows' memory returns at the next growth or join).
+        An index array took MLX's gather instead, which on CUDA copies element by element.
+
+            >>> b = GrowableBuffer.adopt([mx.arange(4).reshape(4, 1, 1, 1)], 1)
+            >>> b.take([0, 1, 3]); b.parts[0].reshape(-1).tolist()
+            [0, 1, 3]
+            >>> row_runs([0, 1, 3, 4, 5, 2])
+            [(0, 2), (3, 6), (2, 3)]
+        """
         if self.parts is not None:
-            idx = mx.array(list(rows))
-            self.parts = [p[idx, :, drop_front:] for p in self.parts]  # keeps the spare capacity
+            runs = row_runs(rows)
+            self.parts = [mx.concatenate([p[a:b, :, drop_front:] for a, b in runs], axis=0) if runs
+                          else p[:0, :, drop_front:] for p in self.parts]
         self.size = max(self.size - drop_front, 0)
 
     def row(self, i: int, start: int) -> GrowableBuffer:
