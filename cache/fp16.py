@@ -5,12 +5,16 @@ where that is float16 or bfloat16 (a GPU), as float16 where the model computes i
 Parts per token: ``[keys (B, H_kv, T, D), values (B, H_kv, T, D_v)]``, so K+V cost
 2 * H_kv * D * 2 bytes per token (512 B per KV head at D = 128).
 Attention is ``mx.fast.scaled_dot_product_attention``, which maps grouped query heads to
-KV heads itself and accepts mlx-lm's masks unchanged, except for short queries (decode and
-verify steps, L <= 16) on a GPU, and every call on the CPU:
+KV heads itself and accepts mlx-lm's masks unchanged, except for short queries on a GPU,
+and every call on the CPU:
   * on a GPU under a mask array (decoding a left-padded batch) ``attend_grouped`` runs
     instead: MLX's fused decode kernel on CUDA takes no mask array, and the unfused path MLX
     then takes was 3x slower than ``attend_grouped`` on an H100
     (``bench/gpu_padded_attention.py``);
+  * on a GPU, 2 to 16 queries in a half dtype under a causal mask or none (a verify step,
+    a short question after a cached prefix) take the dispatch's tensor-core kernel: MLX's SDPA
+    builds a cuDNN graph for every new shape there, 62-83 ms on an H200, and every such chunk is
+    one (``kvserve.kernels.cuda_attention.MAX_L``);
   * on the CPU the dispatch's CPU kernel runs (``kvserve.kernels.cpu_attention``): MLX's CPU
     SDPA is unfused (a matmul per head), and the kernel, which reads each token's K/V once
     for all the query heads that share it, is faster here (``bench/step_profile.py`` and
@@ -116,9 +120,9 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
     of operations there); on a GPU, a padded batch's decode step (its mask known by each row's
     first slot) in a half dtype by the tensor-core kernel, which starts each row there, other
     short masked calls by the grouped path (MLX's SDPA takes no array mask in its fused form
-    there), else MLX's SDPA."""
+    there), a short causal chunk by the tensor-core kernel (module doc), else MLX's SDPA."""
     on_cpu = mx.default_device().type == mx.cpu
-    if on_cpu or (_row_starts_known(mask, queries) and _half(queries, keys)):
+    if on_cpu or (_half(queries, keys) and (_row_starts_known(mask, queries) or _short_chunk(mask, queries))):
         from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
         from kvserve.cache.turbo_codec import RawFormat
 
@@ -140,6 +144,21 @@ def _half(queries: mx.array, keys: mx.array) -> bool:
     queries take the grouped path, not the kernel's fallback (MLX's unfused masked SDPA,
     3x slower than the grouped path on an H100)."""
     return queries.dtype in (mx.float16, mx.bfloat16) and keys.dtype == queries.dtype
+
+
+def _short_chunk(mask: Any, queries: mx.array) -> bool:
+    """2 to ``MAX_L`` queries under a causal mask or none: a shape MLX's CUDA SDPA would
+    build a cuDNN graph for (module doc).
+
+        >>> q = mx.zeros((1, 4, 12, 64), mx.float16)
+        >>> _short_chunk("causal", q), _short_chunk(None, q), _short_chunk("causal", q[:, :, :1])
+        (True, True, False)
+        >>> _short_chunk(mx.ones((12, 12), mx.bool_), q), _short_chunk("causal", mx.zeros((1, 4, 17, 64)))
+        (False, False)
+    """
+    from kvserve.kernels.cuda_attention import MAX_L
+
+    return (mask is None or isinstance(mask, str)) and 1 < queries.shape[2] <= MAX_L
 
 
 def _row_starts_known(mask: Any, queries: mx.array) -> bool:

@@ -148,8 +148,8 @@ def test_dispatch_offers_cuda_kernels_only_on_cuda():
 def test_specs_support_only_short_queries():
     kf, _, vf, _ = _formats("turbo8v3")
     spec = next(s for s in ca.kernel_specs() if s["name"] == "cuda-turbo-affine-keys")
-    assert spec["supports"](kf, vf, 1) and spec["supports"](kf, vf, 16)
-    assert not spec["supports"](kf, vf, 17)
+    assert spec["supports"](kf, vf, 1) and spec["supports"](kf, vf, ca.MAX_L)
+    assert not spec["supports"](kf, vf, ca.MAX_L + 1)
 
 
 @pytest.mark.parametrize("module", [ca, cuda_source])
@@ -164,6 +164,41 @@ def test_doctests(module):
 @pytest.mark.parametrize("sinks", [None, (-2.0, 0.0, 1.0, 3.0, 0.5, 6.0, -1.0, 2.0)])  # gpt-oss
 def test_kernel_matches_the_reference_on_gpu(name, L, dtype, tol, sinks):
     _check_against_the_reference(name, L, dtype, tol, sinks, D=128)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["affine4", "mxfp4", "turbo0v4", "turbo8v3", "fp16"])
+@pytest.mark.parametrize("L", [9, ca.MAX_L])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_prompt_chunks_up_to_max_l_match_the_reference_on_gpu(name, L, dtype):
+    """A question after a cached prefix: up to ``MAX_L`` causal queries, 8 query rows per
+    tile (4 query heads per KV head: 36 rows and more), over a context the chunk ends."""
+    if name == "fp16" and dtype == mx.float32:
+        pytest.skip("the kernels read raw K/V only in the queries' half dtype")
+    kf, kp, vf, vp = _formats(name, 128, 300, 2, 2)
+    q = mx.zeros((2, 8, L, 128), dtype)
+    assert ca._family_plan(q, kf, kp, vf, vp, "causal", None) is not None  # the kernel, not the reference
+    _check_against_the_reference(name, L, dtype, 2e-4 if dtype == mx.float32 else 4e-3, None, D=128)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("L", [2, ca.MAX_L, ca.MAX_L + 1])
+def test_an_fp16_prompt_chunk_takes_the_kernel_up_to_max_l_on_gpu(L):
+    """``attend_raw`` under a causal mask: up to ``MAX_L`` queries the dispatch's kernel
+    ("cuda-raw"; MLX's SDPA would build a cuDNN graph for each new shape), past it MLX's
+    SDPA; both equal the reference."""
+    from kvserve.cache.fp16 import attend_raw
+
+    D, T, Hkv, R = 128, 700, 2, 4
+    kf, (k,), vf, (v,) = _formats("fp16", D, T, 1, Hkv)
+    q = mx.random.normal((1, Hkv * R, L, D), key=mx.random.key(9)).astype(mx.float16)
+    assert dispatch.choose(kf, vf, L, T, mx.gpu) == ("cuda-raw" if L <= ca.MAX_L else "dense")
+    with mx.stream(mx.gpu):
+        got = attend_raw(q, k, v, D ** -0.5, "causal")
+        mx.eval(got)
+    with mx.stream(mx.cpu):
+        want = attend_full(q.astype(mx.float32), kf, (k,), vf, (v,), D ** -0.5, "causal")
+        assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() <= 4e-3
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")

@@ -3,6 +3,7 @@ that serves a batch to itself before it says ready, then answers as a cold one."
 
 from __future__ import annotations
 
+import collections
 import queue
 
 import mlx.nn as nn
@@ -114,6 +115,25 @@ def test_a_warmed_up_engine_keeps_nothing_and_answers_as_a_cold_one(tiny_model_d
     finally:
         warm.stop(30)
         cold.stop(30)
+
+
+@pytest.mark.parametrize("scheme, fmt", [("affine4", "QuantizedFormat"), ("fp16", "RawFormat")])
+def test_the_warm_up_runs_chunks_over_k_v_already_in_the_scheme(default_model_dir, tmp_path, monkeypatch, scheme, fmt):
+    """The warm-up's own prompts attend over their raw prefill only; a question after a
+    cached prefix attends over the scheme's stored K/V with a causal mask. The warm-up runs
+    that too, at 2 and 9 queries (one query-row tile and more), on every layer."""
+    from kvserve.kernels import dispatch
+
+    seen, attend = [], dispatch.attend
+    monkeypatch.setattr(dispatch, "attend", lambda q, kf, *a, **k: seen.append((type(kf).__name__, q.shape[2], a[4]))
+                        or attend(q, kf, *a, **k))
+    loaded = load_model(ModelConfig(model=str(default_model_dir), cache_dir=str(tmp_path)),
+                        parse_scheme(scheme), "test", device=profile_for("cpu"))
+    assert loaded.runner.warm_stored_chunks(list(range(5, 21))) == 2
+    layers = len(loaded.runner.model.layers)
+    chunks = collections.Counter(call for call in seen if call[1] in (2, 9))
+    assert set(chunks) == {(fmt, 2, "causal"), (fmt, 9, "causal")} and min(chunks.values()) >= layers
+    assert loaded.runner.kv_bytes == 0
 
 
 def _on_cuda() -> bool:

@@ -167,6 +167,11 @@ class LeaderRunner:
         self._kv = self.runner.kv_bytes
         return result
 
+    def warm_stored_chunks(self, tokens: list[int]) -> int:
+        """None here: a forward outside a step would run the split model's collectives on
+        this rank alone (the other ranks wait for messages, not forwards)."""
+        return 0
+
     def release(self, request_id: str, keep: bool = False) -> None:
         if request_id in self._sent:  # the others never saw a request no plan named
             self._pending.append(["release", request_id, keep])

@@ -245,6 +245,7 @@ class Engine:
                 report.prefill_chunks += len(plan.prefill)
                 if plan.decode:
                     report.batch_sizes.add(len(plan.decode))
+        report.prefill_chunks += self.model.runner.warm_stored_chunks(warmup_tokens(self.model.tokenizer))
         report.seconds, report.compiled = time.monotonic() - started, kernel_files(device) - kernels
         report.error = errors[0] if errors else ""
         self.warmup = report
