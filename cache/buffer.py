@@ -45,6 +45,12 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _kept(part: mx.array, runs: list[tuple[int, int]], drop_front: int) -> mx.array:
+    """The rows of ``runs`` (and slots from ``drop_front`` on) as a new array of their own."""
+    pieces = [part[a:b, :, drop_front:] for a, b in runs] or [part[:0, :, drop_front:]]
+    return mx.concatenate(pieces, axis=0) if len(pieces) > 1 else mx.contiguous(pieces[0])
+
+
 def next_capacity(capacity: int, need: int, granule: int = DEFAULT_GRANULE) -> int:
     """Capacity after a growth: double, or straight to ``need`` (granule-rounded) if larger."""
     return max(2 * capacity, round_up(need, granule))
@@ -155,10 +161,11 @@ class GrowableBuffer:
 
     def take(self, rows: Sequence[int], drop_front: int = 0) -> None:
         """Keep ``rows`` (in that order) and drop the first ``drop_front`` slots, keeping the
-        spare capacity. Each run of consecutive rows is one slice, so the kept rows are one
-        contiguous copy (none where they are the first rows and no slot is dropped: the
-        parts become a view, and the left rows' memory returns at the next growth or join).
-        An index array took MLX's gather instead, which on CUDA copies element by element.
+        spare capacity. Each run of consecutive rows is one slice, and the kept rows are one
+        contiguous copy: an index array took MLX's gather, which on CUDA copies element by
+        element. A single run is copied too (``mx.contiguous``), not kept as a view of the
+        old parts: MLX writes an append into a view's buffer by copying all of it (a 7-row
+        view of 4,096 slots: 1.0 ms an append on the CPU against 0.05 ms into its own).
 
             >>> b = GrowableBuffer.adopt([mx.arange(4).reshape(4, 1, 1, 1)], 1)
             >>> b.take([0, 1, 3]); b.parts[0].reshape(-1).tolist()
@@ -166,10 +173,9 @@ class GrowableBuffer:
             >>> row_runs([0, 1, 3, 4, 5, 2])
             [(0, 2), (3, 6), (2, 3)]
         """
-        if self.parts is not None:
-            runs = row_runs(rows)
-            self.parts = [mx.concatenate([p[a:b, :, drop_front:] for a, b in runs], axis=0) if runs
-                          else p[:0, :, drop_front:] for p in self.parts]
+        runs = row_runs(rows)
+        if self.parts is not None and (drop_front or runs != [(0, self.parts[0].shape[0])]):
+            self.parts = [_kept(p, runs, drop_front) for p in self.parts]
         self.size = max(self.size - drop_front, 0)
 
     def row(self, i: int, start: int) -> GrowableBuffer:
