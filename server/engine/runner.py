@@ -416,21 +416,10 @@ class ModelRunner:
         return PromptCache.for_model(self.model, self.scheme, quantize_after=RAW_PREFILL_TOKENS)
 
     def warm_stored_chunks(self, tokens: list[int]) -> int:
-        """Prompt chunks over K/V already in the scheme (a question after a cached prefix),
-        which the warm-up's own prompts never run (their chunks attend over the raw prefill):
-        one of 2 and one of 9 tokens after ``tokens``, so the attention kernels for a
-        chunk's causal mask are compiled, in both query-row tilings, before any request
-        needs them. Returns the chunks run.
+        """The warm-up's chunks over K/V already in the scheme (``warmup.chunks_over_stored``)."""
+        from kvserve.server.engine.warmup import chunks_over_stored
 
-        A chunk of 2 tokens is 2 x (query heads per KV head) rows, 8 or fewer where a KV
-        head serves up to 4 query heads (one row tile); 9 tokens are always more."""
-        cache = self._new_cache()
-        self.model(mx.array(tokens)[None], cache=cache)
-        cache.convert()
-        cache.quantize_after = 0
-        for n in (2, 9):
-            mx.eval(self.model(mx.array((tokens * n)[:n])[None], cache=cache))
-        return 2
+        return chunks_over_stored(self.model, self._new_cache(), tokens)
 
     # ---- decode: one forward over every decoding request --------------------------------
     def _decode(self, requests: tuple[Request, ...], drafts: dict[str, int]) -> DecodeStep | VerifyStep | None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from kvserve.server.engine.request import Request, SamplingParams
 
 WARMUP_PREFIX = "warmup-"
@@ -70,6 +72,22 @@ def warmup_requests(batch: int, prefill_step_size: int, tokens: list[int], conte
                                 presence_penalty=0.5 if i == 3 else 0.0)
         requests.append(Request(prompt_tokens=prompt, params=params, request_id=f"{WARMUP_PREFIX}{i}"))
     return requests
+
+
+def chunks_over_stored(model, cache, tokens: list[int]) -> int:
+    """Prompt chunks over K/V already in the scheme (a question after a cached prefix),
+    which the warm-up's requests never run (their chunks attend over the raw prefill): into
+    ``cache`` (a new B = 1 cache of the model), ``tokens``, converted to the scheme, then one
+    chunk of 2 and one of 9 tokens, so the attention kernels for a chunk's causal mask are
+    compiled, in both query-row tilings, before any request needs them. Returns the chunks
+    run. A chunk of 2 tokens is 2 x (query heads per KV head) rows, 8 or fewer where a KV
+    head serves up to 4 query heads (one row tile); 9 tokens are always more."""
+    model(mx.array(tokens)[None], cache=cache)
+    cache.convert()
+    cache.quantize_after = 0
+    for n in (2, 9):
+        mx.eval(model(mx.array((tokens * n)[:n])[None], cache=cache))
+    return 2
 
 
 def is_warmup(request_id: str) -> bool:
