@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-
 from kvserve.server.engine.request import Request, SamplingParams
 
 WARMUP_PREFIX = "warmup-"
@@ -82,6 +80,8 @@ def chunks_over_stored(model, cache, tokens: list[int]) -> int:
     compiled, in both query-row tilings, before any request needs them. Returns the chunks
     run. A chunk of 2 tokens is 2 x (query heads per KV head) rows, 8 or fewer where a KV
     head serves up to 4 query heads (one row tile); 9 tokens are always more."""
+    import mlx.core as mx  # here: the scheduler imports this module without MLX
+
     model(mx.array(tokens)[None], cache=cache)
     cache.convert()
     cache.quantize_after = 0
