@@ -13,7 +13,7 @@ and every call on the CPU:
     (``bench/gpu_padded_attention.py``);
   * on a GPU, 2 to 16 queries in a half dtype under a causal mask or none (a verify step,
     a short question after a cached prefix) take the dispatch's tensor-core kernel: MLX's SDPA
-    builds a cuDNN graph for every new shape there, 62-83 ms on an H200, and every such chunk is
+    builds a cuDNN graph for every new shape there, 57-83 ms on an H200, and every such chunk is
     one (``kvserve.kernels.cuda_attention.MAX_L``);
   * on the CPU the dispatch's CPU kernel runs (``kvserve.kernels.cpu_attention``): MLX's CPU
     SDPA is unfused (a matmul per head), and the kernel, which reads each token's K/V once

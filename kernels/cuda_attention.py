@@ -56,7 +56,7 @@ from kvserve.kernels.reference import attend_dense, format_key
 
 HEAD_DIMS = (64, 128, 256)
 # Decode and verify steps, and prompt chunks of up to 16 queries. MLX's fused SDPA on CUDA
-# (the reference's last step) builds a cuDNN graph for each new (L, T, strides): 62-83 ms
+# (the reference's last step) builds a cuDNN graph for each new (L, T, strides): 57-83 ms
 # on an H200, against 0.3-0.5 ms for a shape it has seen (``bench/gpu_first_calls.py
 # --chunks``), and nearly every chunk after a cached prefix is a new shape. These kernels
 # take L at run time: 0.3-1.5 ms from 20 to 256 queries over 4K-14K tokens (8B shape), new

@@ -233,9 +233,9 @@ class Engine:
         device = self.model.device
         report, kernels, started = WarmupReport(), kernel_files(device), time.monotonic()
         errors: list[str] = []
+        tokens = warmup_tokens(self.model.tokenizer)
         for request in warmup_requests(self.scheduler.max_running, self.scheduler.prefill_step_size,
-                                       warmup_tokens(self.model.tokenizer), self.model.info.context_length,
-                                       self.scheduler.max_step_tokens):
+                                       tokens, self.model.info.context_length, self.scheduler.max_step_tokens):
             self._inflight += 1
             self._admit(request, lambda event: errors.append(event.error) if event.error else None)
         while self.scheduler.has_work:
@@ -245,7 +245,7 @@ class Engine:
                 report.prefill_chunks += len(plan.prefill)
                 if plan.decode:
                     report.batch_sizes.add(len(plan.decode))
-        report.prefill_chunks += self.model.runner.warm_stored_chunks(warmup_tokens(self.model.tokenizer))
+        report.prefill_chunks += self.model.runner.warm_stored_chunks(tokens)
         report.seconds, report.compiled = time.monotonic() - started, kernel_files(device) - kernels
         report.error = errors[0] if errors else ""
         self.warmup = report
