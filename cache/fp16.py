@@ -11,8 +11,8 @@ and every call on the CPU:
     instead: MLX's fused decode kernel on CUDA takes no mask array, and the unfused path MLX
     then takes was 3x slower than ``attend_grouped`` on an H100
     (``bench/gpu_padded_attention.py``);
-  * on a GPU, 2 to 16 queries in a half dtype under a causal mask or none (a verify step,
-    a short question after a cached prefix) take the dispatch's tensor-core kernel: MLX's SDPA
+  * on a GPU, 2 to 256 queries in a half dtype (a verify step, a prompt, a question after
+    a cached prefix), under any mask, take the dispatch's tensor-core kernel: MLX's SDPA
     builds a cuDNN graph for every new shape there, 57-83 ms on an H200, and every such chunk is
     one (``kvserve.kernels.cuda_attention.MAX_L``);
   * on the CPU the dispatch's CPU kernel runs (``kvserve.kernels.cpu_attention``): MLX's CPU
@@ -147,18 +147,20 @@ def _half(queries: mx.array, keys: mx.array) -> bool:
 
 
 def _short_chunk(mask: Any, queries: mx.array) -> bool:
-    """2 to ``MAX_L`` queries under a causal mask or none: a shape MLX's CUDA SDPA would
-    build a cuDNN graph for (module doc).
+    """2 to ``MAX_L`` queries, under any mask: a shape MLX's CUDA SDPA would build a cuDNN
+    graph for (module doc). Lone and batched prompts take the same kernel, so a prompt's
+    attention does not change with the batch it is prefilled in (a left-padded batch's mask
+    is an array).
 
-        >>> q = mx.zeros((1, 4, 12, 64), mx.float16)
-        >>> _short_chunk("causal", q), _short_chunk(None, q), _short_chunk("causal", q[:, :, :1])
-        (True, True, False)
-        >>> _short_chunk(mx.ones((12, 12), mx.bool_), q), _short_chunk("causal", mx.zeros((1, 4, 17, 64)))
+        >>> q = mx.zeros((1, 4, 20, 64), mx.float16)
+        >>> _short_chunk("causal", q), _short_chunk(mx.ones((20, 20), mx.bool_), q)
+        (True, True)
+        >>> _short_chunk("causal", q[:, :, :1]), _short_chunk("causal", mx.zeros((1, 4, 257, 64)))
         (False, False)
     """
     from kvserve.kernels.cuda_attention import MAX_L
 
-    return (mask is None or isinstance(mask, str)) and 1 < queries.shape[2] <= MAX_L
+    return 1 < queries.shape[2] <= MAX_L
 
 
 def _row_starts_known(mask: Any, queries: mx.array) -> bool:

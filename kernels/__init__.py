@@ -6,7 +6,7 @@
     dispatch.py     ``attend``: the entry point the caches call; picks a verified fused
                     kernel, the full path or the blockwise reference by device and T
     cuda_attention.py  fused split-context attention on NVIDIA GPUs (``mx.fast.cuda_kernel``)
-                    for L <= 16 over affine, mxfp4, TurboQuant and raw K/V; its device code is
+                    for L <= 256 over affine, mxfp4, TurboQuant and raw K/V; its device code is
                     cuda_source.py
     cpu_attention.py  fused attention over stored K/V on the CPU, an MLX primitive in C++
                     (cpu_attention.cpp) for decode, verify and prompt chunks

@@ -1,9 +1,9 @@
-"""Fused attention over stored K/V on NVIDIA GPUs (``mx.fast.cuda_kernel``), L <= 16.
+"""Fused attention over stored K/V on NVIDIA GPUs (``mx.fast.cuda_kernel``), L <= 256.
 
 ``attend_cuda`` has the signature of ``kvserve.kernels.dispatch.attend`` and serves affine
 4/8-bit keys and values (groups 32/64/128), mxfp4, and the TurboQuant schemes (raw,
 affine-8 or turbo keys; turbo values) at head_dim 64, 128 or 256. Anything else (other
-formats, L > 16, other head dims) goes to the dense reference.
+formats, L > 256, other head dims) goes to the dense reference.
 
 One call = two kernels:
 
@@ -55,15 +55,15 @@ from kvserve.kernels.cuda_mma_source import mma_source
 from kvserve.kernels.reference import attend_dense, format_key
 
 HEAD_DIMS = (64, 128, 256)
-# Decode and verify steps, and prompt chunks of up to 16 queries. MLX's fused SDPA on CUDA
-# (the reference's last step) builds a cuDNN graph for each new (L, T, strides): 57-83 ms
-# on an H200, against 0.3-0.5 ms for a shape it has seen (``bench/gpu_first_calls.py
-# --chunks``), and nearly every chunk after a cached prefix is a new shape. These kernels
-# take L at run time: 0.3-1.5 ms from 20 to 256 queries over 4K-14K tokens (8B shape), new
-# or not. They stay at 16 for now: at 256, a GPU test of batched against lone answers
-# (turbo0v4) met a wider near-tie than its bound in 4 of 8 runs, unexplained so far
-# (docs/benchmarks/gpu-serve.md, fourteenth round).
-MAX_L = 16
+# Decode and verify steps, and prompt chunks up to 256 queries: a question or a new turn
+# after a cached prefix, the end of a prompt. MLX's fused SDPA on CUDA (the reference's last
+# step) builds a cuDNN graph for each new (L, T, strides): 57-83 ms on an H200, against
+# 0.3-0.5 ms for a shape it has seen (``bench/gpu_first_calls.py --chunks``), and nearly
+# every such chunk is a new shape. These kernels take L at run time: 0.3-1.5 ms from 20 to
+# 256 queries over 4K-14K tokens (8B shape), new or not. Each 8-query-row tile reads the
+# context again, so well past 256 queries a seen shape's cuDNN call wins by more than a
+# graph costs, and long prompts' full chunks repeat their shapes.
+MAX_L = 256
 MAX_RB = 8  # query rows per block: the value accumulator is RB x 8 registers per thread
 # Blocks to aim for: 132 SMs hold 3 blocks each (140-180 registers per thread), so this is
 # ~5 waves; on an H200 at T=32K affine4 took 0.419 ms with 2048 against 0.433 with 1024.

@@ -173,7 +173,7 @@ def attend_dense(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_f
                  values: tuple[mx.array, ...], scale: float, mask: Any,
                  key_scale: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
     """Decode the whole context to the queries' dtype, then MLX's fused SDPA: a GPU's path
-    for calls no fused kernel serves (prompt chunks of more than 16 queries over stored
+    for calls no fused kernel serves (prompt chunks of more than 256 queries over stored
     codes). It holds one dense copy of the layer's K/V at a time, as an fp16 cache
     would, and the attention is then what a model of that dtype computes over such a cache.
     (The blockwise walk would keep memory bounded, but on a GPU it runs on the CPU stream:

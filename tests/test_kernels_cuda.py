@@ -148,8 +148,9 @@ def test_dispatch_offers_cuda_kernels_only_on_cuda():
 def test_specs_support_only_short_queries():
     kf, _, vf, _ = _formats("turbo8v3")
     spec = next(s for s in ca.kernel_specs() if s["name"] == "cuda-turbo-affine-keys")
-    assert spec["supports"](kf, vf, 1) and spec["supports"](kf, vf, ca.MAX_L)
-    assert not spec["supports"](kf, vf, ca.MAX_L + 1)
+    assert ca.MAX_L == 256
+    assert spec["supports"](kf, vf, 1) and spec["supports"](kf, vf, 256)
+    assert not spec["supports"](kf, vf, 257)
 
 
 @pytest.mark.parametrize("module", [ca, cuda_source])
@@ -168,11 +169,11 @@ def test_kernel_matches_the_reference_on_gpu(name, L, dtype, tol, sinks):
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
 @pytest.mark.parametrize("name", ["affine4", "mxfp4", "turbo0v4", "turbo8v3", "fp16"])
-@pytest.mark.parametrize("L", [9, ca.MAX_L])
+@pytest.mark.parametrize("L", [9, 17, 27, 256])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_prompt_chunks_up_to_max_l_match_the_reference_on_gpu(name, L, dtype):
-    """A question after a cached prefix: up to ``MAX_L`` causal queries, 8 query rows per
-    tile (4 query heads per KV head: 36 rows and more), over a context the chunk ends."""
+    """A question after a cached prefix: up to 256 causal queries, 8 query rows per tile
+    (4 query heads per KV head: 36 to 1024 rows), over a context the chunk ends."""
     if name == "fp16" and dtype == mx.float32:
         pytest.skip("the kernels read raw K/V only in the queries' half dtype")
     kf, kp, vf, vp = _formats(name, 128, 300, 2, 2)
@@ -182,28 +183,33 @@ def test_prompt_chunks_up_to_max_l_match_the_reference_on_gpu(name, L, dtype):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
-@pytest.mark.parametrize("L", [2, ca.MAX_L, ca.MAX_L + 1])
-def test_an_fp16_prompt_chunk_takes_the_kernel_up_to_max_l_on_gpu(L):
-    """``attend_raw`` under a causal mask: up to ``MAX_L`` queries the dispatch's kernel
-    ("cuda-raw"; MLX's SDPA would build a cuDNN graph for each new shape), past it MLX's
-    SDPA; both equal the reference."""
+@pytest.mark.parametrize("L", [2, 27, 256, 257])
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_fp16_prompt_chunk_takes_the_kernel_up_to_max_l_on_gpu(L, padded):
+    """``attend_raw`` under a causal mask, or a left-padded batch's mask array: up to
+    ``MAX_L`` queries the dispatch's kernel ("cuda-raw"; MLX's SDPA would build a cuDNN
+    graph for each new shape), past it MLX's SDPA; both equal the reference."""
     from kvserve.cache.fp16 import attend_raw
 
-    D, T, Hkv, R = 128, 700, 2, 4
-    kf, (k,), vf, (v,) = _formats("fp16", D, T, 1, Hkv)
-    q = mx.random.normal((1, Hkv * R, L, D), key=mx.random.key(9)).astype(mx.float16)
+    D, T, Hkv, R, B = 128, 700, 2, 4, 2 if padded else 1
+    kf, (k,), vf, (v,) = _formats("fp16", D, T, B, Hkv)
+    q = mx.random.normal((B, Hkv * R, L, D), key=mx.random.key(9)).astype(mx.float16)
+    mask = "causal"
+    if padded:  # row 1 starts 37 slots in
+        t, l = mx.arange(T), mx.arange(L)[:, None] + (T - L)
+        mask = (t <= l)[None, None] & (t >= mx.array([0, 37])[:, None, None, None])
     assert dispatch.choose(kf, vf, L, T, mx.gpu) == ("cuda-raw" if L <= ca.MAX_L else "dense")
     with mx.stream(mx.gpu):
-        got = attend_raw(q, k, v, D ** -0.5, "causal")
+        got = attend_raw(q, k, v, D ** -0.5, mask)
         mx.eval(got)
     with mx.stream(mx.cpu):
-        want = attend_full(q.astype(mx.float32), kf, (k,), vf, (v,), D ** -0.5, "causal")
+        want = attend_full(q.astype(mx.float32), kf, (k,), vf, (v,), D ** -0.5, mask)
         assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() <= 4e-3
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
-@pytest.mark.parametrize("name", ["affine4", "turbo8v3"])
-@pytest.mark.parametrize("L", [1, 4])
+@pytest.mark.parametrize("name", ["affine4", "turbo8v3", "turbo0v4", "fp16"])
+@pytest.mark.parametrize("L", [1, 4, 17, 45, 256])
 @pytest.mark.parametrize("D", [64, 256])
 def test_kernel_matches_the_reference_at_other_head_dims(name, L, D):
     """The tensor-core pass merges its warps through shared memory in a layout that depends on
@@ -266,8 +272,17 @@ def test_an_fp16_padded_decode_takes_the_kernel_on_gpu(sinks):
             assert mx.max(mx.abs(grouped.astype(mx.float32) - want)).item() <= 4e-3
 
 
-def _check_against_the_reference(name, L, dtype, tol, sinks, D):
-    T, B, Hkv, R = 300, 2, 2, 4
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["turbo0v4", "affine4", "fp16"])
+@pytest.mark.parametrize("L", [2, 17, 45, 256])
+def test_chunks_in_the_default_models_shape_match_the_reference(name, L):
+    """9 query heads over 3 KV heads at D = 64 (SmolLM2-135M): 3L query rows, so 16-row tiles
+    start inside a head's queries."""
+    _check_against_the_reference(name, L, mx.float16, 4e-3, None, 64, B=1, Hkv=3, R=3)
+
+
+def _check_against_the_reference(name, L, dtype, tol, sinks, D, B=2, Hkv=2, R=4):
+    T = 300
     kf, kp, vf, vp = _formats(name, D, T, B, Hkv)
     q = mx.random.normal((B, Hkv * R, L, D), key=mx.random.key(5)).astype(dtype)
     sinks = None if sinks is None else mx.array(sinks)

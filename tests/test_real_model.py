@@ -145,7 +145,9 @@ def test_concurrent_greedy_chats_equal_each_alone(default_server):
     choice, less than ``NEAR_TIE`` nats below the first. Exact agreement for quantized schemes
     is pinned on the tiny model in test_batching.py. On a GPU fp16 is held to the same bound:
     there a batched product is not bit-identical to a one-row one either (an H100 parted at
-    token 7 of 16, " is" for " lies", a near-tie)."""
+    token 7 of 16, " is" for " lies", a near-tie). A quantized scheme on a GPU gets a wider
+    one (``near_tie``): rounding-sized differences there flip value codes, and the logprobs
+    of tokens both runs agree on already differ by up to 0.32 nats."""
     client = openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     scheme = client.models.list().data[0].model_extra["kv_scheme"]
@@ -162,12 +164,25 @@ def test_concurrent_greedy_chats_equal_each_alone(default_server):
     if scheme == "fp16" and not on_gpu():
         assert [[e.token for e in answer] for answer in batched] == tokens
         return
+    bound = near_tie(scheme, on_gpu())
     for lone, group in zip(alone, batched):
         gap = divergence_gap(lone, group)
-        assert gap is None or gap < NEAR_TIE, (gap, [e.token for e in lone], [e.token for e in group])
+        assert gap is None or gap < bound, (gap, [e.token for e in lone], [e.token for e in group])
 
 
 NEAR_TIE = 0.25  # nats; the largest gap measured at a divergence was 0.057
+
+
+def near_tie(scheme: str, gpu: bool) -> float:
+    """The widest gap a divergence may have. Measured on an H100, the eight questions alone
+    and then in 3-4 batches of eight (``docs/benchmarks/gpu-serve.md``, fifteenth round):
+    fp16's logprobs on agreed tokens moved by at most 0.055 nats and its divergences were
+    exact ties; turbo0v4's moved by up to 0.32, and its divergences had gaps up to 0.375,
+    with prompt chunks on MLX's SDPA or on the fused kernels alike. Twice that is allowed:
+    a batch that let rows see each other would part by nats, or pick a token that was not
+    even the lone run's runner-up (``divergence_gap`` checks that). On the CPU every scheme
+    keeps ``NEAR_TIE``."""
+    return 0.75 if gpu and scheme != "fp16" else NEAR_TIE
 
 
 def divergence_gap(lone, group) -> float | None:
