@@ -27,7 +27,7 @@ def drive(runner: ModelRunner, requests: list[Request], arrivals: list[int] | No
     the runner accepted, then its sampled token, per step)."""
     scheduler = Scheduler(max_running=max_running, prefill_step_size=prefill, max_waiting=16,
                           max_step_tokens=step_tokens, max_kv_tokens=max_kv_tokens,
-                          max_draft_tokens=draft_tokens, expected_hit=runner.expected_hit)
+                          max_draft_tokens=draft_tokens)
     pending = list(zip(arrivals or [0] * len(requests), requests))
     members = [m for r in requests for m in (r, *r.forks)]
     trace = Trace({m.request_id: [] for m in members}, {m.request_id: [] for m in members})

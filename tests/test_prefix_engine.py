@@ -73,22 +73,6 @@ def test_a_shared_start_is_a_partial_hit_and_output_equals_cold(model):
     assert cached == 25 and warm == cold
 
 
-def test_questions_after_a_cached_document_all_start_in_one_step(model):
-    """Four questions after a cached 40-token document, chunks of 16 and 24 tokens a step:
-    each plans only its own 5 tokens (the prefix cache's expected hit), so all four start in
-    the first step and decode together from the second, each as it would alone."""
-    runner = ModelRunner(model, parse_scheme("fp16"), prefix=open_cache("fp16"))
-    generate(runner, PROMPT, n=1, rid="doc")
-    prompts = [PROMPT + [q, q + 1, q + 2, q + 3, q + 4] for q in (3, 50, 97, 144)]
-    requests = [Request(p, SamplingParams(max_tokens=4, temperature=0.0), request_id=f"q{i}")
-                for i, p in enumerate(prompts)]
-    trace = drive(runner, requests, prefill=16, step_tokens=24)
-    assert trace.sizes == [0, 4, 4, 4]  # rows decoding per step
-    for i, p in enumerate(prompts):
-        cold, _ = generate(ModelRunner(model, parse_scheme("fp16")), p, n=4, rid=f"q{i}")
-        assert trace.tokens[f"q{i}"] == cold
-
-
 def test_the_next_chat_turn_finds_prompt_and_reply_cached(model):
     runner = ModelRunner(model, parse_scheme("fp16"), prefix=open_cache("fp16"))
     reply, _ = generate(runner, PROMPT, n=6, rid="t1")

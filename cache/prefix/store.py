@@ -149,13 +149,6 @@ class PrefixCache:
         self._count["misses"] += 1
         return None
 
-    def expected_hit(self, prompt: Iterable[int]) -> int:
-        """How many tokens ``lookup`` would give ``prompt`` now, found in the index alone
-        (nothing is loaded, no counter moves): a scheduler plans only the tokens after it.
-        An entry whose file then fails to load gives less; 0 on a miss."""
-        self._check_open()
-        return next((m for m, _ in self._candidates(as_tokens(prompt))), 0)
-
     def parting(self, prompt: Iterable[int]) -> int:
         """How many first tokens of ``prompt`` some stored entry starts with: where this
         prompt parts from what is cached. A model whose layers cannot trim keeps a checkpoint

@@ -173,7 +173,6 @@ class Engine:
             return
         self.kv_budget = kv_budget(self.config.kv_memory, self.model.kv_token_bytes)
         self.scheduler.max_kv_tokens = self.kv_budget.tokens
-        self.scheduler.expected_hit = self.model.runner.expected_hit
         if self.model.device is not None:
             self.scheduler.prefill_step_size, self.scheduler.max_step_tokens = self.config.step_sizes(
                 self.model.device.prefill_step_size)

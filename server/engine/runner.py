@@ -307,11 +307,6 @@ class ModelRunner:
                 self._hits[request.request_id] = found[request.request_id] = hit.num_tokens
         return found
 
-    def expected_hit(self, request: Request) -> int:
-        """Prompt tokens the prefix cache holds for ``request`` (the scheduler's plan: a
-        question after a cached document costs its own tokens, not a full chunk)."""
-        return self.prefix.expected_hit(request.prompt_tokens) if self.prefix is not None else 0
-
     def _held(self, request_id: str) -> PromptCache | None:
         """The cache a live request holds: its batch row (a copy) or its B = 1 cache."""
         if request_id in self._rows:

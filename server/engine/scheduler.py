@@ -10,10 +10,11 @@ Policy (continuous batching with chunked prefill):
   * a step computes at most ``max_step_tokens`` tokens: every decoding request costs 1 and
     always runs, the rest of the budget goes to prompt chunks (each at most
     ``prefill_step_size``) of the running requests that still prefill, in admission order;
-  * a request's first chunk counts only the prompt tokens after its cached prefix
-    (``expected_hit``, the prefix cache's answer when the step is planned; the runner looks
-    the prefix up as the chunk runs), so a step admits every question that follows a cached
-    document, not one question and a chunk's worth of tokens it will not compute;
+  * a new request's first chunk is planned at full size even where the prefix cache will
+    give most of the prompt (the runner finds the hit as the chunk runs): the budget left
+    unused paces questions after a cached document to one a step. Planning only their own
+    tokens started all of them in one step, and every first token then waited for all the
+    questions' prefills (docs/benchmarks/long-context-4k.md, fourth run);
   * with ``max_draft_tokens`` (speculative decoding), a decoding request that the runner
     said will propose (``StepResult.armed``) may also verify up to that many proposed tokens
     in its row; they come out of the same budgets, before the prompt chunks, and never past
@@ -43,7 +44,6 @@ Example (two requests, chunks of at most 4, a budget of 5 tokens per step):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.server.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
@@ -118,7 +118,7 @@ class Scheduler:
 
     def __init__(self, max_running: int, prefill_step_size: int, max_waiting: int,
                  max_step_tokens: int | None = None, max_kv_tokens: int | None = None,
-                 max_draft_tokens: int = 0, expected_hit: Callable[[Request], int] | None = None):
+                 max_draft_tokens: int = 0):
         self.max_running = max_running
         self.prefill_step_size = prefill_step_size
         self.max_waiting = max_waiting
@@ -127,7 +127,6 @@ class Scheduler:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) < max_running ({max_running})")
         self.max_kv_tokens = max_kv_tokens
         self.max_draft_tokens = max_draft_tokens
-        self.expected_hit = expected_hit  # prompt tokens a prefix cache holds for a request
         self.armed: frozenset[str] = frozenset()  # the last step's StepResult.armed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -157,32 +156,13 @@ class Scheduler:
         for r in self.running:
             if budget <= 0 or kv_room <= 0:
                 break  # budget spent: later requests wait, FIFO order is kept
-            if r.status not in (RequestStatus.WAITING, RequestStatus.PREFILL) or r.fork_of is not None:
-                continue
-            n = min(self.prefill_step_size, self._to_compute(r), budget, kv_room)
-            if n > 0:
+            n = min(self.prefill_step_size, r.prefill_remaining, budget, kv_room)
+            if r.status in (RequestStatus.WAITING, RequestStatus.PREFILL) and r.fork_of is None and n > 0:
                 prefill.append(PrefillChunk(r, n))
                 budget -= n
                 kv_room -= n
         return StepPlan(prefill=tuple(prefill), decode=decode, swap_out=swap_out,
                         swap_in=tuple(r for r in swap_in if r not in swap_out), drafts=drafts)
-
-    def _to_compute(self, r: Request) -> int:
-        """Prompt tokens ``r`` still computes: those after its cached prefix when it has
-        not started (a hint: a prefix lost before the chunk runs leaves the rest of the
-        prompt to later chunks). The last prompt token is always computed.
-
-            >>> from kvserve.server.engine.request import Request, SamplingParams
-            >>> s = Scheduler(4, 512, 4, expected_hit=lambda r: 1000)
-            >>> a = Request(list(range(1024)), SamplingParams())
-            >>> s._to_compute(a)
-            24
-            >>> a.num_computed = 1010; s._to_compute(a)   # started: the hit is in num_computed
-            14
-        """
-        if r.num_computed or self.expected_hit is None:
-            return r.prefill_remaining
-        return r.prefill_remaining - min(self.expected_hit(r), r.num_prompt_tokens - 1)
 
     def _drafts(self, decode: tuple[Request, ...], room: int) -> dict[str, int]:
         """Proposed tokens each armed decoding request may verify: ``max_draft_tokens``,
