@@ -478,3 +478,10 @@ def test_few_rows_qmv_equals_mlx_quantized_matmul(bits, group, dtype):
     for n, before in plain.items():
         np.testing.assert_allclose(np.array(linear(mx.ones((1, n, K), dtype)).astype(mx.float32)),
                                    np.array(before.astype(mx.float32)), rtol=0.02, atol=0.05)
+    # The default device is process-wide: another thread's ``with mx.stream(mx.cpu)`` (a
+    # kernel's self-check) moves it under a forward, which must then stay off the GPU kernel.
+    with mx.stream(mx.cpu):
+        on_cpu = linear(mx.ones((1, 8, K), dtype))
+        mx.eval(on_cpu)
+    np.testing.assert_allclose(np.array(on_cpu.astype(mx.float32)), np.array(plain[8].astype(mx.float32)),
+                               rtol=0.02, atol=0.05)

@@ -46,7 +46,10 @@ class FewRowsQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         w, scales = self["weight"], self["scales"]
         rows = x.size // max(x.shape[-1], 1)
-        if cuda_qmv.serves_rows(x, scales, w.size * 32 // self.bits):
+        # The default device is one for the whole process, and ``with mx.stream(mx.cpu)``
+        # in another thread (a kernel's self-check against the CPU reference) moves it for
+        # a moment: a forward then running here must not launch a GPU-only kernel.
+        if mx.default_device() == mx.gpu and cuda_qmv.serves_rows(x, scales, w.size * 32 // self.bits):
             y = cuda_qmv.quantized_matmul(x, w, scales, self["biases"], self.group_size, self.bits)
         elif rows >= DENSE_ROWS and x.dtype == scales.dtype:
             y = x @ mx.dequantize(w, scales, self["biases"], group_size=self.group_size, bits=self.bits).T
