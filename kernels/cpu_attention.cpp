@@ -340,6 +340,28 @@ void accumulate(float* acc, int nv, const float* p, int t0, int t1, const R& rd,
   else accumulate<1>(acc, p, t0, t1, rd, d0);
 }
 
+// Four rows' accumulators at once, acc[r * ld : + 16 * NV] += p_r,t * v_t[d0 : d0 + 16 * NV]
+// (``p``: the four rows' probabilities, T apart): each token's values are read (and widened)
+// once for four rows instead of once per row. Every row still adds its tokens in order, and
+// a row whose p is 0 skips the token as ``accumulate`` does, so the bits are the same.
+template <int NV, class R>
+void accumulate4(float* acc, int ld, const float* p, int T, int t0, int t1, const R& rd, int d0) {
+  v16f a[4][NV];
+  for (int r = 0; r < 4; r++)
+    for (int i = 0; i < NV; i++) a[r][i] = load(acc + size_t(r) * ld + 16 * i);
+  for (int t = t0; t < t1; t++) {
+    float w[4] = {p[t], p[T + t], p[2 * size_t(T) + t], p[3 * size_t(T) + t]};
+    if (w[0] == 0.0f && w[1] == 0.0f && w[2] == 0.0f && w[3] == 0.0f) continue;
+    for (int i = 0; i < NV; i++) {
+      v16f v = rd.at(t - t0, d0 + 16 * i);
+      for (int r = 0; r < 4; r++)
+        if (w[r] != 0.0f) a[r][i] += splat(w[r]) * v;
+    }
+  }
+  for (int r = 0; r < 4; r++)
+    for (int i = 0; i < NV; i++) store(acc + size_t(r) * ld + 16 * i, a[r][i]);
+}
+
 // Scores of rows [0, n) (queries ``q``, ``qs`` floats apart, D dims each) against ``m``
 // tokens laid out as dimension-major blocks of 16 (``blk``: D x 16 floats each), into
 // ``dst`` + r * ld + t. Every row is summed over d in order, whichever kernel scores it.
@@ -361,6 +383,33 @@ void score_rows(const float* q, int qs, int n, int D, const float* blk, int m, f
   }
 }
 
+// Rows' exponentials (``s``: n rows of T) divided by their sums; ``sums`` holds each row's
+// start (a sink's term or 0). Each row is summed in token order, one add at a time: a
+// left-padded row (whose hidden slots add exact zeros) then sums exactly as the same
+// sequence alone, so a batch changes no bit of its rows. Eight rows' sums run side by side:
+// eight chains of adds instead of one that waits on its own latency (a prompt chunk's rows
+// spent more time here than in their scores).
+template <int K>
+void sum_rows(const float* s, int T, float* sums) {
+  float a[K];
+  for (int i = 0; i < K; i++) a[i] = sums[i];
+  for (int t = 0; t < T; t++)
+    for (int i = 0; i < K; i++) a[i] += s[size_t(i) * T + t];
+  for (int i = 0; i < K; i++) sums[i] = a[i];
+}
+
+void normalize_rows(float* s, int T, int n, float* sums) {
+  int r = 0;
+  for (; r + 8 <= n; r += 8) sum_rows<8>(s + size_t(r) * T, T, sums + r);
+  for (; r + 4 <= n; r += 4) sum_rows<4>(s + size_t(r) * T, T, sums + r);
+  for (; r < n; r++) sum_rows<1>(s + size_t(r) * T, T, sums + r);
+  for (r = 0; r < n; r++) {
+    float* sr = s + size_t(r) * T;
+    float inv = 1.0f / sums[r];
+    for (int t = 0; t < T; t++) sr[t] *= inv;
+  }
+}
+
 #include "cpu_attention_affine.h"  // score_affine, accumulate_affine_rows
 
 int items_per_pair(const Call& c) {
@@ -373,7 +422,7 @@ int items_per_pair(const Call& c) {
 void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>& scratch) {
   const int R = c.Hq / c.Hkv, T = c.T, D = c.D, Dv = c.Dv, W = D > Dv ? D : Dv;
   const int groups = c.values.kind == AFFINE ? Dv / c.values.group : 0;
-  scratch.resize(size_t(n) * (T + D + Dv + groups) + size_t(kTokenBlock) * (W + D) + size_t(n + 2) * kTokenBlock);
+  scratch.resize(size_t(n) * (T + D + Dv + groups + 1) + size_t(kTokenBlock) * (W + D) + size_t(n + 2) * kTokenBlock);
   float* s = scratch.data();  // n x T scores, then probabilities
   float* qp = s + size_t(n) * T;  // n x D permuted queries
   float* acc = qp + size_t(n) * D;  // n x Dv accumulators (permuted)
@@ -391,6 +440,7 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
   float* kt = tokens + size_t(kTokenBlock) * W;
   float* zs = kt + size_t(kTokenBlock) * D;  // n x groups: affine values' bias sums
   float* affine_tmp = zs + size_t(n) * groups;  // score_affine's scratch
+  float* sums = affine_tmp + size_t(n + 2) * kTokenBlock;  // n softmax denominators
   for (int t0 = 0; t0 < T; t0 += kTokenBlock) {
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
     if (c.keys.kind == AFFINE) {
@@ -423,21 +473,20 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
     }
     for (int i = 0; i < 16; i++) top = tops[i] > top ? tops[i] : top;
     for (; t < T; t++) top = sr[t] > top ? sr[t] : top;
-    for (int t = 0; t < T; t += 16) {  // the tail through the same exp, padded
-      int m = T - t < 16 ? T - t : 16;
+    v16f tops16 = splat(top);
+    int full = T / 16 * 16;
+    for (int t = 0; t < full; t += 16) store(sr + t, exp_neg(load(sr + t) - tops16));
+    for (int t = full; t < T; t += 16) {  // the tail through the same exp, padded
+      int m = T - t;
       float x[16];
       std::fill(x, x + 16, top);
       std::memcpy(x, sr + t, m * sizeof(float));
       store(x, exp_neg(load(x) - top));
       std::memcpy(sr + t, x, m * sizeof(float));
     }
-    // In token order, one at a time: a left-padded row (whose hidden slots add exact zeros)
-    // then sums exactly as the same sequence alone, so a batch changes no bit of its rows.
-    float sum = c.sinks ? std::exp(c.sinks[head] - top) : 0.0f;
-    for (int t = 0; t < T; t++) sum += sr[t];
-    float inv = 1.0f / sum;
-    for (int t = 0; t < T; t++) sr[t] *= inv;
+    sums[r] = c.sinks ? std::exp(c.sinks[head] - top) : 0.0f;
   }
+  normalize_rows(s, T, n, sums);
   std::fill(acc, acc + size_t(n) * Dv, 0.0f);
   std::fill(zs, zs + size_t(n) * groups, 0.0f);
   if (c.values.kind == AFFINE) accumulate_affine_rows(c.values, b, h, n, T, Dv, s, acc, zs);
@@ -446,7 +495,14 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
     if (c.values.kind != RAW)
       for (int t = t0; t < t1; t++) dequant_token(c.values, b, h, t, tokens + size_t(t - t0) * Dv);
     with_reader(c.values, b, h, t0, tokens, Dv, [&](const auto& rd) {
-      for (int r = 0; r < n; r++)
+      int r = 0;
+      for (; r + 4 <= n; r += 4)  // prompt chunks and verify steps: rows in fours
+        for (int d0 = 0; d0 < Dv; d0 += 32) {
+          float* a = acc + size_t(r) * Dv + d0;
+          if (Dv - d0 >= 32) accumulate4<2>(a, Dv, s + size_t(r) * T, T, t0, t1, rd, d0);
+          else accumulate4<1>(a, Dv, s + size_t(r) * T, T, t0, t1, rd, d0);
+        }
+      for (; r < n; r++)
         for (int d0 = 0; d0 < Dv; d0 += 64)
           accumulate(acc + size_t(r) * Dv + d0, Dv - d0 < 64 ? (Dv - d0) / 16 : 4, s + size_t(r) * T, t0, t1, rd, d0);
     });

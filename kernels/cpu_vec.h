@@ -11,7 +11,9 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 
 inline v16f load(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-inline v16f splat(float x) { return v16f{} + x; }
+// A broadcast. (``v16f{} + x`` reads the same except for -0.0, and so cost an add per
+// broadcast in every hot loop: the compiler may not drop 0 + x.)
+inline v16f splat(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // exp(x) for x clamped to [-87, 88], to about 2 ulp: 2^n * p(r) with |r| <= ln2/2 and a
 // degree-6 polynomial.
