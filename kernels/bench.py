@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--heads", default="32:8", help="query heads:KV heads (the default model: 9:3)")
     p.add_argument("--head-dim", type=int, default=128, help="D (the default model: 64)")
+    p.add_argument("--queries", type=int, default=1,
+                   help="queries per row: 1 a decode step, more a prompt chunk over the context")
     p.add_argument("--profile", action="store_true",
                    help="on a GPU, add the kernels' own device time (CUPTI through torch.profiler)")
     return p.parse_args(argv)
@@ -68,7 +70,8 @@ def plan(schemes=SCHEMES, device: str = "cpu") -> list[tuple[str, str]]:
 
 
 def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu",
-            profile: bool = False, heads: tuple[int, int] = (32, 8), head_dim: int = 128) -> dict:
+            profile: bool = False, heads: tuple[int, int] = (32, 8), head_dim: int = 128,
+            queries: int = 1) -> dict:
     import mlx.core as mx
     from kvserve.kernels import bench_cases as bc
 
@@ -78,7 +81,7 @@ def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu",
     from kvserve.kernels.cpu_attention import available
 
     for T in contexts:
-        shape = bc.Shape(batch, *heads, head_dim, T)
+        shape = bc.Shape(batch, *heads, head_dim, T, queries)
         if device == "gpu" and (row := bc.torch_sdpa(shape, repeats, calls)):
             results["runs"].append({"T": T, **row, "dispatch": ""})
         for scheme, impl in plan(schemes, device):
@@ -86,18 +89,18 @@ def run_all(contexts: list[int], batch: int, repeats: int, device: str = "cpu",
                 continue
             case = bc.build_case(scheme, impl, shape)
             row = bc.measure(case, repeats, calls=calls, profile=profile)
-            picked = "yes" if _picked(scheme, impl, T) else ""
+            picked = "yes" if _picked(scheme, impl, T, queries) else ""
             results["runs"].append({"T": T, **row, "dispatch": picked})
             mx.clear_cache()  # the next case's peak starts from what it allocates itself
     return results
 
 
-def _picked(scheme: str, impl: str, T: int) -> bool:
+def _picked(scheme: str, impl: str, T: int, L: int = 1) -> bool:
     """Whether ``kvserve.kernels.dispatch.attend`` runs ``impl`` for this scheme at T."""
     from kvserve.kernels.dispatch import choose
     if impl in ("fp16", "mlx-lm") or scheme == "fp16":  # the fp16 cache picks its path itself
         return False
-    picked = choose(*_formats(scheme), 1, T)
+    picked = choose(*_formats(scheme), L, T)
     return picked.startswith(impl + "-") if impl in ("cuda", "cpu") else picked == impl
 
 
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     default = GPU_CONTEXTS if args.device == "gpu" else "1024,2048,4096"
     contexts = [int(t) for t in (args.contexts or default).split(",") if t]
     heads = tuple(int(h) for h in args.heads.split(":"))
-    results = run_all(contexts, args.batch, args.repeats, args.device, args.profile, heads, args.head_dim)
+    results = run_all(contexts, args.batch, args.repeats, args.device, args.profile, heads, args.head_dim,
+                      args.queries)
     print(json.dumps(results, indent=1) if args.json else table(results))
     return 0
 

@@ -55,11 +55,12 @@ class Shape:
     Hkv: int
     D: int
     T: int
+    L: int = 1  # queries per row: 1 a decode step, more a prompt chunk (every one sees all T)
 
 
 @dataclass
 class Case:
-    """``run(q)`` is one attention call of queries ``q`` (B, H_q, 1, D) over the case's K/V,
+    """``run(q)`` is one attention call of queries ``q`` (B, H_q, L, D) over the case's K/V,
     returning the same shape and dtype, so calls chain (see ``measure``); ``check()`` is its
     max abs difference from the family's full-context reference (``attend_quantized`` /
     ``attend_encoded``), "-" for the baselines, which are not ours to check."""
@@ -80,10 +81,10 @@ def _nbytes(arrays) -> int:
 
 
 def _rand(shape: Shape, seed: int) -> tuple[mx.array, mx.array, mx.array]:
-    """f16 queries (B, H_q, 1, D), keys and values (B, H_kv, T, D)."""
+    """f16 queries (B, H_q, L, D), keys and values (B, H_kv, T, D)."""
     s = shape
     kq, kk, kv = mx.random.split(mx.random.key(seed), 3)
-    q = mx.random.normal((s.B, s.Hq, 1, s.D), key=kq).astype(mx.float16)
+    q = mx.random.normal((s.B, s.Hq, s.L, s.D), key=kq).astype(mx.float16)
     k = mx.random.normal((s.B, s.Hkv, s.T, s.D), key=kk).astype(mx.float16)
     v = mx.random.normal((s.B, s.Hkv, s.T, s.D), key=kv).astype(mx.float16)
     return q, k, v
@@ -225,7 +226,7 @@ def torch_sdpa(shape: Shape, repeats: int = 5, calls: int = 10) -> dict:
         return {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(shape.B, h, t, shape.D, device="cuda", dtype=torch.float16, generator=gen)
-               for h, t in ((shape.Hq, 1), (shape.Hkv, shape.T), (shape.Hkv, shape.T)))
+               for h, t in ((shape.Hq, shape.L), (shape.Hkv, shape.T), (shape.Hkv, shape.T)))
 
     def chain():
         x = q
