@@ -387,8 +387,7 @@ void score_rows(const float* q, int qs, int n, int D, const float* blk, int m, f
 // start (a sink's term or 0). Each row is summed in token order, one add at a time: a
 // left-padded row (whose hidden slots add exact zeros) then sums exactly as the same
 // sequence alone, so a batch changes no bit of its rows. Eight rows' sums run side by side:
-// eight chains of adds instead of one that waits on its own latency (a prompt chunk's rows
-// spent more time here than in their scores).
+// eight chains of adds instead of one that waits on its own latency.
 template <int K>
 void sum_rows(const float* s, int T, float* sums) {
   float a[K];
