@@ -25,10 +25,21 @@ def on_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
 
+_GIVEN: set[int] = set()  # ports free_port() handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, never one this process was given before: the
+    kernel may hand a just-released port to the next ``bind(0)``, and two servers of one
+    test started back to back (an in-process one binds later) then shared a port, so the
+    second's readiness check was answered by the first."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def ring_ports(n: int) -> list[int]:
