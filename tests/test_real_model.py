@@ -17,6 +17,8 @@ from inprocess import InProcessServer
 from servers import ServerProcess, on_gpu, replies_across_a_restart
 from together import together
 
+from kvserve.bench.batched_vs_lone import QUESTIONS  # the questions its bound was measured on
+
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
@@ -129,9 +131,6 @@ def test_unsupported_architecture(tmp_path):
     _assert_one_line_error(result, "qwen2")
 
 
-QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?",
-             "Who wrote Hamlet?", "What do bees make?", "Name a planet.",
-             "What is water made of?", "How many legs does a spider have?"]
 
 
 def test_concurrent_greedy_chats_equal_each_alone(default_server):
