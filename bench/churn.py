@@ -82,6 +82,8 @@ def parse(argv):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--prompt-cache-disk-gb", type=float, default=None,
+                   help="the prefix cache's SSD tier (0: none; unset: the server's default)")
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="on a GPU: the device's busy time per request in each round, and its TOP kernels")
     p.add_argument("--model", default=None,
@@ -180,7 +182,8 @@ def one_round(scheme: str, model, texts: list[str], warm: str | None, args, blas
     from kvserve.server.engine.model_loader import make_loader
 
     folder = tempfile.mkdtemp(prefix="kvserve-churn-")
-    cache = None if args.no_prefix_cache else CacheConfig(kv_scheme=scheme, prompt_cache_dir=folder)
+    disk = {} if args.prompt_cache_disk_gb is None else {"prompt_cache_disk_gb": args.prompt_cache_disk_gb}
+    cache = None if args.no_prefix_cache else CacheConfig(kv_scheme=scheme, prompt_cache_dir=folder, **disk)
     engine = Engine(make_loader(model, parse_scheme(scheme), blas, cache=cache),
                     EngineConfig(prefill_step_size=args.prefill_step_size))
     loaded = engine.start()

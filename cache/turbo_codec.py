@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvserve.cache.base import apply_mask, grouped_mask
+from kvserve.cache.fp16 import as_16_bit
 from kvserve.kernels import cpu_ops, cuda_encode
 
 log = logging.getLogger("kvserve.cache")
@@ -378,7 +379,9 @@ def folded(x: mx.array, product) -> mx.array:
 
 
 class RawFormat:
-    """Keys kept as they came, in the activation dtype: one array (B, H, T, D)."""
+    """Keys kept as 16-bit floats, as the fp16 scheme keeps them: one array (B, H, T, D), in
+    the activation dtype where that is float16 or bfloat16 (a GPU), as float16 where the
+    model computes in float32 (a CPU, where float32 keys would cost more than fp16's)."""
 
     kind = "fp16"
 
@@ -386,7 +389,7 @@ class RawFormat:
         self.dim = dim
 
     def encode(self, x: mx.array, scale: mx.array | None = None) -> tuple[mx.array, ...]:
-        return (x,)
+        return (as_16_bit(x),)
 
     def prepare_queries(self, q: mx.array, scale: mx.array | None = None) -> mx.array:
         return q

@@ -63,9 +63,12 @@ def turbo_encode(x: mx.array, pi: mx.array, boundaries: mx.array, bits: int,
     """TurboQuant's uncalibrated encoding of (..., D) vectors rotated by ``pi`` (D, D):
     (packed indices (..., ceil(D * bits / 32)) uint32, norms (..., 1) float32), as
     ``TurboCodec.encode`` computes them on the Walsh-Hadamard path; None where it does not
-    serve (not float32)."""
-    if x.dtype != mx.float32 or pi.dtype != mx.float32 or pi.shape != (x.shape[-1],) * 2 or not 1 <= bits <= 8:
+    serve. Half-precision vectors (K/V in a model's activation dtype) are widened first,
+    as the codec's own operations widen them."""
+    if x.dtype not in (mx.float32, mx.float16, mx.bfloat16) or pi.dtype != mx.float32 \
+            or pi.shape != (x.shape[-1],) * 2 or not 1 <= bits <= 8:
         return None
+    x = x.astype(mx.float32)
     packed, norms = _module().turbo_encode(x, pi, boundaries.astype(mx.float32), bits, eps)
     return packed, norms
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kvserve.cache.turbo_codec import get_codec, unpack_indices
+from kvserve.cache.turbo_codec import _NORM_EPS, get_codec, pack_indices, unpack_indices
 from kvserve.kernels import cpu_ops
 from kvserve.server.engine import fastpath
 from tests.test_weights import TINY, _child, close, needs_openblas, tiny_model
@@ -98,21 +98,29 @@ def test_table_rope_declines_other_dtypes():
     assert got.dtype == mx.float16 and "KvserveTableRope" not in _ops(got)
 
 
-@pytest.mark.parametrize("dim,bits", [(64, 1), (64, 3), (64, 4), (128, 2), (128, 4), (64, 8)])
-def test_turbo_encode_equals_the_codec_ops(dim, bits):
-    """TurboCodec.encode on the CPU (one operation) gives the codes and norms of its MLX
-    operations (``encode_unit``), a zero (padding) row and a transposed view included."""
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("dim,bits", [(64, 1), (64, 3), (64, 4), (128, 2), (128, 4), (64, 8), (48, 4), (72, 3)])
+def test_turbo_encode_equals_the_codec_ops(dim, bits, dtype):
+    """The CPU operation gives the codes and norms of the codec's MLX operations (rotate the
+    unit vector, count the boundaries below, pack), a zero (padding) row and a transposed
+    view included, for float16 input too; widths that are not a multiple of 64 (48) or 16
+    (72) take its narrower loops. Where the codec encodes on the Walsh-Hadamard path
+    (power-of-two widths), ``TurboCodec.encode`` is that one operation."""
     codec = get_codec(dim, bits, 43)
-    x = mx.random.normal((2, 40, 3, dim))
+    x = mx.random.normal((2, 40, 3, dim)).astype(dtype)
     x[0, 0, 0] = 0
     mx.eval(x)
     x = x.transpose(0, 2, 1, 3)
-    packed, norms = codec.encode(x)
-    assert _ops(packed) == ["Transpose", "KvserveTurboEncode"]
-    want_packed, want_norms = codec.encode_unit(*codec.unit_rotated(x))
+    packed, norms = cpu_ops.turbo_encode(x, codec.pi, codec.boundaries, bits, _NORM_EPS)
+    y, want_norms = codec.unit_rotated(x)
+    want_packed = pack_indices(codec.quantize(y), bits)
     assert mx.array_equal(unpack_indices(packed, bits, dim), unpack_indices(want_packed, bits, dim))
     assert mx.array_equal(packed, want_packed)
     assert float(mx.abs(norms - want_norms).max() / mx.abs(want_norms).max()) < 1e-6
+    if not codec.norm_corrected:
+        encoded = codec.encode(x)
+        assert _ops(encoded[0])[-1] == "KvserveTurboEncode"
+        assert mx.array_equal(encoded[0], packed)
 
 
 def test_swiglu_equals_mlx_lm_and_is_one_operation():
@@ -161,7 +169,7 @@ from kvserve.server.models.blas import enable_fast_blas, codes_library
 enable_fast_blas()
 import mlx.core as mx
 import numpy as np
-from kvserve.cache.turbo_codec import get_codec, unpack_indices
+from kvserve.cache.turbo_codec import _NORM_EPS, get_codec, pack_indices, unpack_indices
 from kvserve.kernels import cpu_ops
 from kvserve.server.engine import fastpath
 from kvserve.server.models import weights

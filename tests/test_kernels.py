@@ -54,8 +54,9 @@ def _case(name, B, R, D, T, L, dtype, seed=0):
     if scheme.keys.kind == "turbo":  # a calibrated key basis: queries must be scaled too
         key_scale = 0.5 + mx.random.uniform(shape=(B, 1, 1, D), key=mx.random.key(seed + 3))
     kp, vp = tuple(kf.encode(k, key_scale)), tuple(vf.encode(v))
-    if scheme.name == "fp16":
-        oracle = lambda s, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=m)
+    if scheme.name == "fp16":  # over the 16-bit floats stored (float32 K/V are rounded)
+        ks, vs = kp[0].astype(dtype), vp[0].astype(dtype)
+        oracle = lambda s, m: mx.fast.scaled_dot_product_attention(q, ks, vs, scale=s, mask=m)
     else:
         oracle = lambda s, m: attend_encoded(q, kf, kp, vf, vp, s, m, key_scale)
     return q, kf, kp, vf, vp, key_scale, oracle

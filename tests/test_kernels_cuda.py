@@ -45,7 +45,7 @@ def test_family_by_format(name, family):
 @pytest.mark.parametrize("name,key,value", [
     ("affine4-g128", ("affine", 4, 128, 3, 16), ("affine", 4, 128, 3, 16)),
     ("mxfp4", ("mx", 4, 32, 2, 16), ("mx", 4, 32, 2, 16)),
-    ("turbo0v3", ("raw", 32, 0, 1, 0), ("turbo", 3, 0, 2, 12)),
+    ("turbo0v3", ("raw", 16, 0, 1, 0), ("turbo", 3, 0, 2, 12)),  # float32 keys stored as float16
     ("turbo8v2", ("affine", 8, 64, 3, 32), ("turbo", 2, 0, 2, 8))])
 def test_layouts_match_the_stored_parts(name, key, value):
     kf, kp, vf, vp = _formats(name)

@@ -45,8 +45,8 @@ def test_which_calls_take_the_tensor_cores(name, dtype, mma, kfast, vfast):
 
 
 def test_raw_keys_in_another_dtype_take_the_f32_pass():
-    kf, kp, vf, vp, kl, vl = _parts("turbo0v4", mx.float32)
-    assert not ca.tensor_cores(mx.zeros((1, 4, 1, 128), mx.float16), kl, vl, kp)
+    kf, kp, vf, vp, kl, vl = _parts("turbo0v4", mx.bfloat16)  # (float32 keys are stored as float16)
+    assert kp[0].dtype == mx.bfloat16 and not ca.tensor_cores(mx.zeros((1, 4, 1, 128), mx.float16), kl, vl, kp)
 
 
 @pytest.mark.parametrize("bh,rows,T,D", [(64, 4, 32768, 128), (1, 1, 1, 64), (3, 12, 65, 256),

@@ -36,9 +36,9 @@ def test_default_budget_is_a_quarter_of_memory():
 def test_token_bytes_follow_each_scheme():
     """2 layers x 2 KV heads x head_dim 64, float32 activations: fp16 holds 16-bit floats
     (256 B per head for K and V: 2 x layers x KV heads x head_dim x 2), affine4 32 B of nibbles + a float32 scale and bias per group of
-    64 (40 B), turbo0v4 raw keys (256 B) and 4-bit values with a float32 norm (36 B)."""
+    64 (40 B), turbo0v4 16-bit keys (128 B) and 4-bit values with a float32 norm (36 B)."""
     model = random_llama(1)
-    per_head = {"fp16": 2 * 128, "affine4": 2 * 40, "affine8": 2 * 72, "turbo0v4": 256 + 36}
+    per_head = {"fp16": 2 * 128, "affine4": 2 * 40, "affine8": 2 * 72, "turbo0v4": 128 + 36}
     for name, b in per_head.items():
         assert token_bytes(model, parse_scheme(name)) == 2 * 2 * b, name
 

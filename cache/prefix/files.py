@@ -13,7 +13,7 @@ Metadata, all strings. ``format``, ``format_version``, ``num_layers`` and ``laye
 ``kvserve.cache.serialize``'s layer descriptions (class, scheme parameters, offset, meta);
 the prefix cache adds:
 
-    user.prefix_version   "2": this layout; any other value is refused ("version")
+    user.prefix_version   PREFIX_VERSION: this layout; any other value is refused ("version")
     user.model            model fingerprint                       ("model")
     user.tokenizer        tokenizer hash                          ("tokenizer")
     user.scheme           scheme name                             ("scheme")
