@@ -10,7 +10,10 @@ can serve it beside ``mlx_lm.server`` over HTTP like any other model:
     head_dim 128, MLP 14336, rope theta 500000), full attention;
   * ``gemma3-4b``: Gemma 3 4B's text model (34 layers, hidden 2560, 8 query heads over 4
     KV heads, head_dim 256, MLP 10240), five sliding-window layers (1024 tokens) to each
-    full one.
+    full one;
+  * ``smollm2-135m-32k``: the default model's own shape (30 layers, hidden 576, 9 query
+    heads over 3 KV heads, head_dim 64) with a 32,768-token context where the default model
+    has 8,192: the CPU's long-context benchmarks at 16K and 32K (docs/benchmarks/long-context-16k.md).
 
 The vocabulary is the tokenizer's (49152 rows where Llama 3 has 128256 and Gemma 3
 262144), so every sampled id decodes; the embedding and output head are smaller than the
@@ -43,6 +46,12 @@ SHAPES: dict[str, dict] = {
         "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
         "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 500000.0,
         "tie_word_embeddings": False, "max_position_embeddings": 131072, "torch_dtype": "float16",
+    },
+    "smollm2-135m-32k": {  # the default model's shape with a 32K context (its own: 8K)
+        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+        "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "max_position_embeddings": 32768, "torch_dtype": "float16",
     },
     "gemma3-4b": {
         "model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34,

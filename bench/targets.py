@@ -124,8 +124,9 @@ class Running:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in self.procs):
+                output = self.output()  # before stop, which closes the log
                 self.stop()
-                raise RuntimeError(f"{self.target.label} exited with {self.proc.returncode}:\n{self.output()}")
+                raise RuntimeError(f"{self.target.label} exited with {self.proc.returncode}:\n{output}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return
