@@ -13,7 +13,7 @@ can serve it beside ``mlx_lm.server`` over HTTP like any other model:
     full one;
   * ``smollm2-135m-32k``: the default model's own shape (30 layers, hidden 576, 9 query
     heads over 3 KV heads, head_dim 64) with a 32,768-token context where the default model
-    has 8,192: the CPU's long-context benchmarks at 16K and 32K (docs/benchmarks/long-context-16k.md).
+    has 8,192, for CPU benchmarks over documents of 16K and 32K tokens.
 
 The vocabulary is the tokenizer's (49152 rows where Llama 3 has 128256 and Gemma 3
 262144), so every sampled id decodes; the embedding and output head are smaller than the
