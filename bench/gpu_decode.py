@@ -109,7 +109,7 @@ def batch_cache(model, scheme: str, batch: int, context: int):
 
 
 def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
-                 profile: int = 0) -> tuple[list[float], float]:
+                 profile: int = 0, captured: bool = False) -> tuple[list[float], float]:
     """Seconds of the engine's first ``steps`` decode-only steps over all ``batch`` rows,
     and the GiB its caches hold then; ``profile`` (N > 0): then prints ``device_split`` of a
     few more steps, with the N kernels that took most of them."""
@@ -132,7 +132,7 @@ def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
     # Every prompt is a prefix hit but its last token: the chunk size does not matter here.
     step, step_tokens = EngineConfig().step_sizes(PREFILL_STEP["cpu"])
     scheduler = Scheduler(batch, step, batch, max(step_tokens, batch))
-    runner = ModelRunner(model, parse_scheme(scheme), prefix=prefix)
+    runner = ModelRunner(model, parse_scheme(scheme), prefix=prefix, captured=captured)
     prefix = None  # the runner drops its reference once every prompt is in
     for r in requests:
         scheduler.add(r)
@@ -214,7 +214,20 @@ def parser(doc: str, schemes: str, steps: int) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--captured", choices=("auto", "on", "off", "both"), default="auto",
+                   help="the engine's decode steps captured and replayed (server/engine/captured.py): "
+                        "auto as the device profile says; both: one engine loop each way")
     return p
+
+
+def captured_modes(option: str) -> list[bool]:
+    """``--captured`` as the engine loops to run: False eager, True captured."""
+    if option == "auto":
+        from kvserve.configs import ModelConfig
+        from kvserve.server.engine.device import choose_profile
+
+        return [choose_profile(ModelConfig().resolved_cache_dir()).captured]
+    return {"on": [True], "off": [False], "both": [False, True]}[option]
 
 
 def main(argv=None) -> int:
@@ -245,8 +258,9 @@ def main(argv=None) -> int:
           f"{shape}, batch {args.batch}, context {args.context}, rewrites {', '.join(rewrites) or 'none'}")
     print("| scheme | loop | step ms (median) | output tok/s | K/V GiB |\n|---|---|---|---|---|")
     for scheme in args.schemes.split(","):
-        times, kv = engine_steps(model, scheme, args.batch, args.context, args.steps, args.profile)
-        report(scheme, "engine", times, args.batch, kv)
+        for captured in captured_modes(args.captured):
+            times, kv = engine_steps(model, scheme, args.batch, args.context, args.steps, args.profile, captured)
+            report(scheme, "engine, captured" if captured else "engine", times, args.batch, kv)
         cache = batch_cache(model, scheme, args.batch, args.context)
         times = time_steps(model, cache, args.batch, args.steps)
         # After decoding: turbo caches hold the raw prefill until their first decode step.

@@ -51,7 +51,7 @@ def profiled(profile: cProfile.Profile, fn):
 
 
 def main(argv=None) -> int:
-    from gpu_decode import build_model, chosen_rewrites, engine_steps, parser, served_model
+    from gpu_decode import build_model, captured_modes, chosen_rewrites, engine_steps, parser, served_model
 
     p = parser(__doc__, "fp16,affine4", 24)
     p.add_argument("--model", choices=("8b-shape", "default"), default="8b-shape")
@@ -80,14 +80,14 @@ def main(argv=None) -> int:
           f"{shape}, batch {args.batch}, context {args.context}")
     print("| scheme | step ms | build ms | async_eval ms | read ms |\n|---|---|---|---|---|")
     stats = {}
-    for scheme in args.schemes.split(","):
+    for scheme, captured in [(s, c) for s in args.schemes.split(",") for c in captured_modes(args.captured)]:
         clocks.clear()
         profile = cProfile.Profile()  # the whole run's building; engine_steps times decode steps only
         ModelRunner._forward = timed(clocks, "forward", profiled(profile, forward) if args.functions else forward)
-        times, _ = engine_steps(model, scheme, args.batch, args.context, args.steps)
+        times, _ = engine_steps(model, scheme, args.batch, args.context, args.steps, captured=captured)
         tail = args.steps * 3 // 4
         med = {k: 1e3 * statistics.median(v[-tail:]) for k, v in clocks.items()}
-        print(f"| {scheme} | {1e3 * statistics.median(times[-tail:]):.2f} | "
+        print(f"| {scheme}{', captured' if captured else ''} | {1e3 * statistics.median(times[-tail:]):.2f} | "
               f"{med['forward'] - med['async_eval']:.2f} | {med['async_eval']:.2f} | {med['read']:.2f} |", flush=True)
         stats[scheme] = (profile, len(clocks["forward"]))
     for scheme, (prof, calls) in stats.items() if args.functions else ():

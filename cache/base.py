@@ -283,6 +283,12 @@ class BatchStoredKVCache(_Buffered):
             note_left_padding(mask, self.left_padding)
         return mask
 
+    def captured_state(self) -> dict[str, Any] | None:
+        """What a captured decode step's view of this layer copies besides scheme and storage
+        (``kvserve.cache.captured``), or None while the layer cannot be captured. Families with
+        one form throughout copy nothing; one whose decode form is reached later says so."""
+        return {}
+
     def dequantize(self) -> tuple[mx.array, mx.array]:
         """Stored keys and values as f32 (B, H_kv, T, D), padding included; for tests."""
         return self.decode(self._buf.views())

@@ -7,10 +7,11 @@ Parts per token: ``[keys (B, H_kv, T, D), values (B, H_kv, T, D_v)]``, so K+V co
 Attention is ``mx.fast.scaled_dot_product_attention``, which maps grouped query heads to
 KV heads itself and accepts mlx-lm's masks unchanged, except for short queries on a GPU,
 and every call on the CPU:
-  * on a GPU under a mask array (decoding a left-padded batch) ``attend_grouped`` runs
-    instead: MLX's fused decode kernel on CUDA takes no mask array, and the unfused path MLX
-    then takes was 3x slower than ``attend_grouped`` on an H100
-    (``bench/gpu_padded_attention.py``);
+  * on a GPU, one query per row in a half dtype under a boolean mask (a left-padded batch's
+    decode step, a captured step's over the cache's capacity) takes the dispatch's kernel;
+    under other mask arrays ``attend_grouped`` runs: MLX's fused decode kernel on CUDA takes
+    no mask array, and the unfused path MLX then takes was 3x slower than ``attend_grouped``
+    on an H100 (``bench/gpu_padded_attention.py``);
   * on a GPU, 2 to 256 queries in a half dtype (a verify step, a prompt, a question after
     a cached prefix), under any mask, take the dispatch's tensor-core kernel: MLX's SDPA
     builds a cuDNN graph for every new shape there, 57-83 ms on an H200, and every such chunk is
@@ -117,12 +118,12 @@ def attend_raw(queries: mx.array, keys: mx.array, values: mx.array, scale: float
                sinks: mx.array | None = None) -> mx.array:
     """Attention over unencoded K/V (the fp16 cache, and a turbo cache before it compresses):
     on the CPU the fused kernel where the dispatch picks one (MLX's SDPA falls back to a chain
-    of operations there); on a GPU, a padded batch's decode step (its mask known by each row's
-    first slot) in a half dtype by the tensor-core kernel, which starts each row there, other
-    short masked calls by the grouped path (MLX's SDPA takes no array mask in its fused form
-    there), a short causal chunk by the tensor-core kernel (module doc), else MLX's SDPA."""
+    of operations there); on a GPU, in a half dtype, a decode step under a boolean mask
+    (``_masked_decode``) and a short chunk under any mask by the dispatch's kernels (module
+    doc); other short masked calls by the grouped path (MLX's SDPA takes no array mask in its
+    fused form there), else MLX's SDPA."""
     on_cpu = mx.default_device().type == mx.cpu
-    if on_cpu or (_half(queries, keys) and (_row_starts_known(mask, queries) or _short_chunk(mask, queries))):
+    if on_cpu or (_half(queries, keys) and (_masked_decode(mask, queries) or _short_chunk(mask, queries))):
         from kvserve.kernels import dispatch  # here: kvserve.kernels imports this package
         from kvserve.cache.turbo_codec import RawFormat
 
@@ -163,10 +164,13 @@ def _short_chunk(mask: Any, queries: mx.array) -> bool:
     return 1 < queries.shape[2] <= MAX_L
 
 
-def _row_starts_known(mask: Any, queries: mx.array) -> bool:
-    from kvserve.kernels.cuda_layout import row_starts
-
-    return queries.shape[2] == 1 and row_starts(mask, queries.shape[0]) is not None
+def _masked_decode(mask: Any, queries: mx.array) -> bool:
+    """One query per row under a boolean mask array: a padded batch's decode step (the kernel
+    starts each row at its first slot where ``note_left_padding`` saw the mask), a window's,
+    or a captured step's over its cache's capacity (``kvserve.cache.captured``), where the
+    kernel reading the mask took 4.33 ms a step against the grouped path's 5.56 (default
+    model, 8 rows of ~300 tokens, H200)."""
+    return queries.shape[2] == 1 and isinstance(mask, mx.array) and mask.dtype == mx.bool_
 
 
 class FP16KVCache(FP16Codec, StoredKVCache):

@@ -176,8 +176,10 @@ def cache_class_by_name(name: str) -> type:
 
 
 def is_kvserve_cache(obj: object) -> bool:
-    """True for instances of registered classes (exact type: the registry is the protocol)."""
-    return _BY_NAME.get(type(obj).__name__) is type(obj)
+    """True for instances of registered classes (exact type: the registry is the protocol),
+    and for a captured step's view of one (``kvserve.cache.captured``)."""
+    cls = getattr(type(obj), "view_of", type(obj))
+    return _BY_NAME.get(cls.__name__) is cls
 
 
 def is_batch_cache(obj: object) -> bool:

@@ -298,6 +298,15 @@ class BatchTurboKVCache(_TurboMixin, BatchStoredKVCache):
             raise ValueError(f"batch of {keys.shape[0]} rows for a cache of {self.batch_size}")
         return super().update_and_fetch(keys, values)
 
+    def captured_state(self) -> dict[str, Any] | None:
+        """Compressed, and without per-row key scales (turbo0 keys are 16-bit floats): a
+        captured step's view encodes and attends as this layer does. Raw prompts compress at
+        their first decode step, which stays eager; calibrated turbo keys (turbo4) carry a (B, ...)
+        scale that a trace would keep as a constant, so they step eagerly."""
+        if self.phase != COMPRESSED or self.key_scale is not None or self._dims is None:
+            return None
+        return {"phase": COMPRESSED, "key_scale": None, "_dims": self._dims, "_kf": self._kf, "_vf": self._vf}
+
     def _valid_slots(self) -> mx.array:
         T, H = self._buf.size, self._buf.parts[0].shape[1]
         valid = mx.arange(T)[None, :] >= mx.array(self.left_padding)[:, None]  # (B, T)

@@ -87,6 +87,9 @@ class EngineConfig:
     # request waits on a kernel compile: "auto" does it where kernels compile at first use
     # (a GPU; the device profile, ``server/engine/device.py``), "on" and "off" everywhere.
     warmup: str = "auto"
+    # Capture decode steps once per batch shape and replay them (``mx.compile``): "auto" where
+    # the host building a step's graph is what a step waits on (a GPU), "on" and "off" anywhere.
+    captured_decode: str = "auto"
 
     def step_sizes(self, device_step: int) -> tuple[int, int]:
         """(prefill_step_size, max_step_tokens), ``device_step`` where the config leaves the
@@ -102,6 +105,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.warmup in ("auto", "on", "off"), f"engine.warmup must be auto, on or off, got {self.warmup!r}")
+        _require(self.captured_decode in ("auto", "on", "off"),
+                 f"engine.captured_decode must be auto, on or off, got {self.captured_decode!r}")
         _require(1 <= self.max_tokens <= self.max_tokens_limit,
                  "engine.max_tokens must be between 1 and engine.max_tokens_limit")
         _require(self.prefill_step_size is None or self.prefill_step_size >= 1,

@@ -89,6 +89,9 @@ def _engine_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--warmup", choices=["auto", "on", "off"],
                        help="serve a batch of requests to the engine before /health says ready, so "
                             "no request waits on a kernel compile (default auto: on a GPU)")
+    serve.add_argument("--captured-decode", choices=["auto", "on", "off"],
+                       help="capture each decode step's graph once per batch shape and replay it "
+                            "(default auto: on a GPU, where building the graph bounds a step)")
     serve.add_argument("--distributed", action="store_true", default=None,
                        help="split the model across the processes mlx.launch started (tensor "
                             "parallel, or a pipeline of layers): rank 0 serves HTTP, every rank "
@@ -141,6 +144,7 @@ def _serve_config(args: argparse.Namespace) -> ServerConfig:
         "engine.draft_model": args.draft_model,
         "engine.distributed": args.distributed,
         "engine.warmup": args.warmup,
+        "engine.captured_decode": args.captured_decode,
     })
 
 
@@ -191,7 +195,8 @@ def serve(config: ServerConfig) -> int:
         scheme = parse_scheme(config.cache.kv_scheme)
     except UnknownScheme as exc:
         raise ConfigError(str(exc)) from None
-    device = choose_profile(config.model.resolved_cache_dir(), config.engine.warmup, config.engine.prefill_step_size)
+    device = choose_profile(config.model.resolved_cache_dir(), config.engine.warmup, config.engine.prefill_step_size,
+                            config.engine.captured_decode)
     _progress(f"device: {device.describe()}")
     group = _join_group() if config.engine.distributed else None
     if group is not None and group.rank() != 0:

@@ -158,7 +158,8 @@ def _device_profile(config):
 
     before = os.environ.get(KERNEL_CACHE_ENV)
     try:
-        return choose_profile(config.model.resolved_cache_dir(), config.engine.warmup)
+        return choose_profile(config.model.resolved_cache_dir(), config.engine.warmup,
+                              captured=config.engine.captured_decode)
     finally:
         if before is None:
             os.environ.pop(KERNEL_CACHE_ENV, None)

@@ -96,13 +96,14 @@ def make_tiny_llama(dst: Path, tokenizer_dir: Path, seed: int = 0, context: int 
     return dst
 
 
-def random_llama(seed: int):
-    """A 2-layer llama with random weights, head_dim 64 (quantized groups fit), vocab 256."""
+def random_llama(seed: int, layers: int = 2):
+    """A llama of 2 (or ``layers``) layers with random weights, head_dim 64 (quantized groups
+    fit), vocab 256."""
     import mlx.core as mx
     from mlx_lm.models import llama
 
     mx.random.seed(seed)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
                            vocab_size=256)
     model = llama.Model(args)

@@ -147,3 +147,27 @@ def test_each_decode_step_is_queued_by_the_step_before():
     # Step 1 prefills both prompts in one padded forward and queues step 2's decode.
     assert per_step == [[(2, 27), (2, 1)], [(2, 1)], [(2, 1)], []]
     assert out == alone(random_llama(4321), "affine4", requests)
+
+
+# A captured decode step (traced once per batch shape, replayed) computes what the eager step
+# computes: the same greedy tokens, bit for bit, while rows join, leave and queue ahead. Models
+# with layers it does not capture (sliding windows; turbo4's calibrated keys, in the middle two
+# of six layers, the others being affine8) step eagerly throughout.
+@pytest.mark.parametrize("arch,scheme", [("tiny", "fp16"), ("tiny", "affine4"), ("tiny", "affine8"),
+                                         ("tiny", "turbo0v4"), ("tiny", "turbo8v3"), ("six", "turbo4"),
+                                         ("qwen3", "affine4"), ("qwen3_moe", "fp16"), ("gemma3_text", "fp16")])
+def test_captured_steps_decode_exactly_as_eager_ones(model, arch, scheme):
+    from archs import build_model
+
+    net = model if arch == "tiny" else random_llama(4321, layers=6) if arch == "six" else build_model(arch, seed=3)
+    arrivals = [0, 1, 2, 3, 5, 8, 9, 13]
+    eager = drive(ModelRunner(net, parse_scheme(scheme)), make_requests(greedy_params()),
+                  arrivals=arrivals, step_tokens=10, prefill=8).tokens
+    runner = ModelRunner(net, parse_scheme(scheme), captured=True)
+    captured = drive(runner, make_requests(greedy_params()), arrivals=arrivals, step_tokens=10, prefill=8).tokens
+    assert captured == eager
+    steps = runner._captured
+    if arch == "gemma3_text" or scheme == "turbo4":  # windows; calibrated key scales
+        assert steps.traces == steps.replays == 0
+    else:
+        assert steps.replays > 2 * steps.traces > 0  # most steps replayed a trace

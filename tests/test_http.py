@@ -46,9 +46,10 @@ def test_models_and_health(server, client, model_id):
     assert model_id == "tiny-llama"
     card = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]
     assert card["context_length"] == 512 and card["weight_format"] and card["blas"]
-    on_cpu = {"backend": "cpu", "rewrites": ["table_rope", "cpu_ops"], "warmup": False, "prefill_step_size": 256}
+    on_cpu = {"backend": "cpu", "rewrites": ["table_rope", "cpu_ops"], "warmup": False, "prefill_step_size": 256,
+              "captured_decode": False}
     on_cuda = {"backend": "cuda", "rewrites": ["fused_projections", "few_rows_qmv"], "warmup": True,
-               "prefill_step_size": 1024}
+               "prefill_step_size": 1024, "captured_decode": True}
     assert card["device"] == (on_cuda if on_gpu() else on_cpu)
     assert httpx.get(f"{server.base_url}/health").json()["status"] == "ok"
 

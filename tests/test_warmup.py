@@ -30,7 +30,8 @@ def _ropes(model) -> set[type]:
 def test_each_device_gets_its_own_rewrites(tiny_model_dir, tmp_path, backend, rope, rewrites, chunk):
     """The CPU's table RoPE (slower on a GPU, where mx.fast.rope is one kernel) is installed
     only by the CPU profile; CUDA's stacks the projections (its steps are bound by kernel
-    launches) and prefills in chunks of 1024; Metal keeps the model's own modules."""
+    launches), prefills in chunks of 1024 and captures its decode steps; Metal keeps the
+    model's own modules."""
     device = profile_for(backend)
     assert device.prefill_step_size == chunk
     loaded = load_model(ModelConfig(model=str(tiny_model_dir), cache_dir=str(tmp_path), weight_format="as-loaded"),
@@ -41,6 +42,8 @@ def test_each_device_gets_its_own_rewrites(tiny_model_dir, tmp_path, backend, ro
     stacked = any(isinstance(m, ProjectionPart) for _, m in loaded.runner.model.named_modules())
     assert stacked is (backend == "cuda")
     assert device.warmup is (backend != "cpu")
+    assert device.captured is (backend == "cuda")  # decode steps replayed where building them bounds a step
+    assert (loaded.runner._captured is not None) is device.captured
 
 
 def test_warmup_setting_overrides_the_device_default():
@@ -48,6 +51,10 @@ def test_warmup_setting_overrides_the_device_default():
     assert [profile_for("cuda", w).warmup for w in ("auto", "on", "off")] == [True, True, False]
     with pytest.raises(ConfigError, match="engine.warmup must be auto, on or off"):
         EngineConfig(warmup="always")
+    assert [profile_for("cpu", captured=c).captured for c in ("auto", "on", "off")] == [False, True, False]
+    assert [profile_for("cuda", captured=c).captured for c in ("auto", "on", "off")] == [True, True, False]
+    with pytest.raises(ConfigError, match="engine.captured_decode must be auto, on or off"):
+        EngineConfig(captured_decode="yes")
 
 
 def test_warmup_requests_fit_the_context_and_leave_one_step_apart():

@@ -20,7 +20,7 @@ a directory under the cache dir so a restarted server reuses them.
     (('table_rope', 'cpu_ops'), False, 'cpu: rewrites table_rope, cpu_ops; prompt chunks of 256; no warm-up')
     >>> g = profile_for("cuda", kernel_cache="/c/kernels/mlx-0.32.4/sm_90")
     >>> g.rewrites, g.warmup, g.describe()
-    (('fused_projections', 'few_rows_qmv'), True, 'cuda: rewrites fused_projections, few_rows_qmv; prompt chunks of 1024; warm-up before ready; kernels kept in /c/kernels/mlx-0.32.4/sm_90')
+    (('fused_projections', 'few_rows_qmv'), True, 'cuda: rewrites fused_projections, few_rows_qmv; prompt chunks of 1024; captured decode steps; warm-up before ready; kernels kept in /c/kernels/mlx-0.32.4/sm_90')
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ from pathlib import Path
 KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 CPU_REWRITES = ("table_rope", "cpu_ops")
 REWRITES = {"cpu": CPU_REWRITES, "cuda": ("fused_projections", "few_rows_qmv"), "metal": ()}
+# Where decode steps are captured once per batch shape and replayed (``captured.py``): a GPU,
+# whose small-model step is the host building its graph. On the CPU the kernels are most of
+# a step (build 5 of 60 ms for 8 rows of the default model) and ``mx.compile`` would compile
+# C++ with the system compiler at first use.
+CAPTURED = {"cpu": False, "cuda": True, "metal": False}
 # Prompt tokens per forward pass where the config leaves it unset. The CPU measured fastest
 # at 256. On CUDA a prompt's products run on the weights dequantized once per chunk
 # (``few_rows.DENSE_ROWS``), so longer chunks pay that once for more tokens: an 8,000-token
@@ -47,42 +52,47 @@ class DeviceProfile:
     """``backend``: "cpu", "cuda" or "metal"; ``rewrites``: the ``fastpath`` rewrites
     applied to the model; ``warmup``: serve every kernel once before ready;
     ``kernel_cache``: where compiled kernels persist ("" where the device compiles none
-    that MLX keeps)."""
+    that MLX keeps); ``captured``: decode steps captured once per batch shape and replayed."""
 
     backend: str
     rewrites: tuple[str, ...]
     warmup: bool
     kernel_cache: str = ""
     prefill_step_size: int = PREFILL_STEP["cpu"]  # where the config leaves it unset
+    captured: bool = False
 
     def describe(self) -> str:
         rewrites = f"rewrites {', '.join(self.rewrites)}" if self.rewrites else "no rewrites"
         warm = "warm-up before ready" if self.warmup else "no warm-up"
         kept = f"; kernels kept in {self.kernel_cache}" if self.kernel_cache else ""
-        return f"{self.backend}: {rewrites}; prompt chunks of {self.prefill_step_size}; {warm}{kept}"
+        steps = "; captured decode steps" if self.captured else ""
+        return f"{self.backend}: {rewrites}; prompt chunks of {self.prefill_step_size}{steps}; {warm}{kept}"
 
     def card(self) -> dict:
         """The profile as ``/v1/models`` shows it."""
         return {"backend": self.backend, "rewrites": list(self.rewrites), "warmup": self.warmup,
-                "prefill_step_size": self.prefill_step_size}
+                "prefill_step_size": self.prefill_step_size, "captured_decode": self.captured}
 
 
 def profile_for(backend: str, warmup: str = "auto", kernel_cache: str = "",
-                prefill_step_size: int | None = None) -> DeviceProfile:
+                prefill_step_size: int | None = None, captured: str = "auto") -> DeviceProfile:
     """The profile of ``backend``; ``warmup`` "on"/"off" overrides the device's default
-    ("auto": on where kernels compile at first use, i.e. on a GPU), and a configured
-    ``prefill_step_size`` the device's chunk (so the profile shows what is served).
+    ("auto": on where kernels compile at first use, i.e. on a GPU), ``captured`` likewise
+    (``CAPTURED``), and a configured ``prefill_step_size`` the device's chunk (so the profile
+    shows what is served).
 
         >>> profile_for("cuda").prefill_step_size, profile_for("cuda", prefill_step_size=64).prefill_step_size
         (1024, 64)
     """
     on_gpu = backend != "cpu"
     warm = on_gpu if warmup == "auto" else warmup == "on"
+    replay = CAPTURED[backend] if captured == "auto" else captured == "on"
     return DeviceProfile(backend, REWRITES[backend], warm, kernel_cache if on_gpu else "",
-                         prefill_step_size or PREFILL_STEP[backend])
+                         prefill_step_size or PREFILL_STEP[backend], replay)
 
 
-def choose_profile(cache_dir: Path, warmup: str = "auto", prefill_step_size: int | None = None) -> DeviceProfile:
+def choose_profile(cache_dir: Path, warmup: str = "auto", prefill_step_size: int | None = None,
+                   captured: str = "auto") -> DeviceProfile:
     """The profile of MLX's default device. On CUDA this also points MLX's compiled-kernel
     cache at ``cache_dir/kernels/mlx-<version>/<device>`` (one folder per MLX version and
     device: a kernel compiled for one architecture must not load on another), unless the
@@ -90,15 +100,15 @@ def choose_profile(cache_dir: Path, warmup: str = "auto", prefill_step_size: int
     import mlx.core as mx
 
     if mx.default_device() != mx.gpu:
-        return profile_for("cpu", warmup, prefill_step_size=prefill_step_size)
+        return profile_for("cpu", warmup, prefill_step_size=prefill_step_size, captured=captured)
     if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
-        return profile_for("metal", warmup, prefill_step_size=prefill_step_size)
+        return profile_for("metal", warmup, prefill_step_size=prefill_step_size, captured=captured)
     folder = os.environ.get(KERNEL_CACHE_ENV)
     if not folder:
         folder = str(cache_dir / "kernels" / f"mlx-{mx.__version__}" / _device_tag())
         Path(folder).mkdir(parents=True, exist_ok=True)
         os.environ[KERNEL_CACHE_ENV] = folder
-    return profile_for("cuda", warmup, folder, prefill_step_size)
+    return profile_for("cuda", warmup, folder, prefill_step_size, captured)
 
 
 def kernel_files(profile: DeviceProfile) -> int:

@@ -84,7 +84,8 @@ def load_model(config: ModelConfig, scheme: KVScheme, blas: str,
         proposer = load_draft(replace(config, model=draft_model), bundle, scheme, blas, progress, device,
                               draft_cost)
     runner = ModelRunner(bundle.model, scheme, swap_dir, prefix, grammars, proposer,
-                         cache.prompt_cache_checkpoint_tokens if cache is not None else 0)
+                         cache.prompt_cache_checkpoint_tokens if cache is not None else 0,
+                         captured=device.captured)
     return LoadedModel(runner=runner, tokenizer=bundle.tokenizer, info=bundle.info, grammars=grammars,
                        kv_token_bytes=token_bytes(bundle.model, scheme), device=device,
                        message_ends=prefix is not None and ("window" in layout or "state" in layout))

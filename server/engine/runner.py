@@ -47,6 +47,7 @@ import mlx.core as mx
 
 from kvserve.cache import KVScheme, PromptCache, load_layers, save_layers
 from kvserve.cache.recurrent import install_position_steps
+from kvserve.server.engine.captured import CapturedDecode
 from kvserve.server.engine.checkpoints import Checkpoints
 from kvserve.server.engine.fastpath import last_logits
 from kvserve.server.engine.grammar import Grammars
@@ -158,8 +159,10 @@ class ModelRunner:
 
     def __init__(self, model, scheme: KVScheme, swap_dir: Path | None = None, prefix=None,
                  grammars: Grammars | None = None, proposer: Proposer | None = None,
-                 checkpoint_every: int = 1024):
+                 checkpoint_every: int = 1024, captured: bool = False):
         self.model = model
+        # Decode steps captured per batch shape and replayed (the device profile's choice).
+        self._captured = CapturedDecode(model) if captured else None
         # Speculative decoding: who proposes (prompt lookup or a draft model); None: off.
         self.speculation = Speculator(proposer) if proposer is not None else None
         if proposer is not None:  # recurrent layers verify position by position (recurrent.py)
@@ -487,7 +490,11 @@ class ModelRunner:
     def _forward(self, tokens: mx.array, ahead: bool = False) -> DecodeStep:
         """One decode forward over the whole batch, sampled per row, evaluation started.
         ``ahead``: fed tokens not read yet, so constrained rows sample later (``complete``)."""
-        logits = self.model(tokens, cache=self._batch)[:, -1, :]  # (B, V)
+        logits = None
+        if self._captured is not None and self._captured.serves(self._batch):
+            logits = self._captured(tokens, self._batch)
+        if logits is None:
+            logits = self.model(tokens, cache=self._batch)[:, -1, :]  # (B, V)
         self._batch.maybe_convert()
         # Each row with its own sampler: per-request filters, penalties and PRNG key.
         draw = draw_rows([self._samplers[r] for r in self._rows], logits, defer=ahead)
