@@ -51,7 +51,7 @@ class CapturedDecode:
         self._traced: dict[tuple, Callable] = {}
         self._failed: set[tuple] = set()
         self._seen: set[tuple] = set()
-        self.traces = self.replays = 0
+        self.traces = self.replays = 0  # traces made; captured steps run (a trace's own included)
 
     def serves(self, batch) -> bool:
         """Every layer a full-attention batch layer in its decode form (``captured_state``),
