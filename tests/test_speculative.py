@@ -72,10 +72,10 @@ def proposer(mode: str, model, scheme: str):
     return DraftProposer(draft_of(model), parse_scheme(scheme), cost=0.0)
 
 
-def runner_for(model, scheme: str, mode: str = "ngram") -> ModelRunner:
+def runner_for(model, scheme: str, mode: str = "ngram", captured: bool = False) -> ModelRunner:
     """A runner that verifies every guess (positions cost nothing), so that these tests
     exercise verification whatever the batch; ``test_the_cost_model_*`` covers the choice."""
-    runner = ModelRunner(model, parse_scheme(scheme), proposer=proposer(mode, model, scheme))
+    runner = ModelRunner(model, parse_scheme(scheme), proposer=proposer(mode, model, scheme), captured=captured)
     if runner.speculation is not None:
         runner.speculation.position_cost = lambda rows: 0.0
     return runner
@@ -108,6 +108,17 @@ def test_greedy_tokens_equal_a_run_without_speculation(model, scheme, mode):
     assert [len(batched[f"r{i}"]) for i in range(8)] == MAX_TOKENS
     # Both outcomes happen: proposals kept and proposals rejected.
     assert 0 < accepted < proposed
+
+
+def test_captured_steps_speculate_exactly(model):
+    """Verify steps run eagerly between captured decode steps (trimming rows, rolling their
+    slots): the tokens stay those of a run without either. (Prompt lookup leaves steps
+    without proposals, which are captured; a free draft proposes at every step.)"""
+    plain, _ = run(model, "affine4", requests(greedy_params()), "off")
+    runner = runner_for(model, "affine4", "ngram", captured=True)
+    trace = drive(runner, requests(greedy_params()), draft_tokens=4, step_tokens=48)
+    assert trace.tokens == plain
+    assert 0 < trace.accepted < trace.proposed and runner._captured.replays > 0
 
 
 def _speculates_exactly(arch: str, seed: int, mode: str) -> None:
