@@ -82,6 +82,40 @@ def captured_state(layer: Any) -> dict[str, Any] | None:
     return layer.captured_state()
 
 
+def structure(layers: list[Any]) -> tuple | None:
+    """What a trace of ``layers`` assumes beyond array shapes (each layer's class, scheme and
+    storage parts), or None where a captured step cannot stand in for all of them at one size."""
+    if not layers or any(captured_state(layer) is None for layer in layers):
+        return None
+    if len({layer.size() for layer in layers}) != 1:
+        return None
+    return tuple((type(layer), layer.scheme.name, len(layer._buf.parts)) for layer in layers)
+
+
+def templates(layers: list[Any]) -> list[tuple[type, KVScheme, int, dict[str, Any]]]:
+    """What ``view`` needs of each layer: classes, schemes and static state only, since a
+    trace outlives the batch it was made for."""
+    return [(type(layer), layer.scheme, len(layer._buf.parts), captured_state(layer)) for layer in layers]
+
+
+def step_inputs(layers: list[Any]) -> tuple[int, list[mx.array]]:
+    """The layers' size and their storage parts in order, each with room for one more slot
+    (made here, outside the trace: a copy on growth)."""
+    size = layers[0].size()
+    for layer in layers:
+        layer._buf.reserve(layer._buf.parts, size + 1)
+    return size, [p for layer in layers for p in layer._buf.parts]
+
+
+def adopt_outputs(layers: list[Any], parts: list[mx.array]) -> None:
+    """The step's storage parts become the layers' own, one slot longer."""
+    i = 0
+    for layer in layers:
+        n = len(layer._buf.parts)
+        layer._buf.parts, i = parts[i:i + n], i + n
+        layer._buf.size += 1
+
+
 def view(cls: type, scheme: KVScheme, parts: list[mx.array], slot: mx.array, starts: mx.array,
          mask: mx.array | None = None, state: dict[str, Any] | None = None) -> Any:
     """A stand-in for a batch layer of ``cls`` over ``parts`` (its storage at full capacity),

@@ -15,9 +15,8 @@ a few times over a long generation); each new one is traced once (warm-up covers
 served batch sizes at the first capacity).
 
     step = CapturedDecode(model)
-    if step.serves(batch):                      # full-attention layers in their decode form
-        logits = step(tokens, batch)            # (B, V); every layer's size grew by one
-    else:
+    logits = step(tokens, batch)                # (B, V), every layer one token longer,
+    if logits is None:                          # or None: this step is not captured
         logits = model(tokens, cache=batch)[:, -1, :]
 
 Attention reads each layer's whole capacity under the mask (up to one granule more than
@@ -33,14 +32,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvserve.cache.captured import captured_state, step_mask, view
+from kvserve.cache.captured import adopt_outputs, step_inputs, step_mask, structure, templates, view
 
 log = logging.getLogger(__name__)
-
-
-def _structure(layers) -> tuple:
-    """What a trace assumes beyond array shapes: each layer's class and scheme."""
-    return tuple((type(layer), layer.scheme.name, len(layer._buf.parts)) for layer in layers)
 
 
 class CapturedDecode:
@@ -48,73 +42,51 @@ class CapturedDecode:
 
     def __init__(self, model: Callable):
         self.model = model
-        self._traced: dict[tuple, Callable] = {}
-        self._failed: set[tuple] = set()
-        self._seen: set[tuple] = set()
+        # Layer structure (``cache.captured.structure``) -> its step; None: its trace failed.
+        self._steps: dict[tuple, Callable | None] = {}
         self.traces = self.replays = 0  # traces made; captured steps run (a trace's own included)
-
-    def serves(self, batch) -> bool:
-        """Every layer a full-attention batch layer in its decode form (``captured_state``),
-        holding tokens, all at one size (a batch cache's layers are), none to be converted."""
-        layers = list(batch)
-        if not layers or getattr(batch, "pending_conversion", False):
-            return False
-        if any(captured_state(layer) is None for layer in layers):
-            return False
-        if len({layer.size() for layer in layers}) != 1:
-            return False
-        # A structure's first step runs eagerly: kernels that check themselves against a
-        # reference on their first call (``kernels.dispatch``) read results, which a trace
-        # cannot do.
-        structure = _structure(layers)
-        if structure not in self._seen:
-            self._seen.add(structure)
-            return False
-        return structure not in self._failed
 
     def __call__(self, tokens: mx.array, batch) -> mx.array | None:
         """Logits (B, V) of one decode step over ``tokens`` (B, 1), every layer one token
-        longer; None (nothing written) where the trace failed: the caller steps eagerly."""
+        longer; None, with nothing written, where the step is not captured and the caller
+        steps eagerly: layers a trace cannot stand in for (``structure``), a structure's
+        first step (kernels that check themselves against a reference on their first call,
+        ``kernels.dispatch``, read results, which a trace cannot do), or a failed trace."""
         layers = list(batch)
-        size = layers[0].size()
-        for layer in layers:  # room for this step's slot, outside the trace (a copy on growth)
-            layer._buf.reserve(layer._buf.parts, size + 1)
-        structure = _structure(layers)
-        fn = self._traced.get(structure)
+        key = None if getattr(batch, "pending_conversion", False) else structure(layers)
+        if key is None:
+            return None
+        if key not in self._steps:
+            self._steps[key] = mx.compile(self._step_for(templates(layers)))
+            return None
+        fn = self._steps[key]
         if fn is None:
-            fn = self._traced[structure] = mx.compile(self._step_for(layers))
-        parts = [p for layer in layers for p in layer._buf.parts]
+            return None
+        size, parts = step_inputs(layers)
         starts = mx.array(layers[0].left_padding, dtype=mx.int32)
         traces, t0 = self.traces, time.perf_counter()
         try:
             logits, *new = fn(tokens, mx.array(size, dtype=mx.int32), starts, *parts)
         except Exception as exc:  # noqa: BLE001 (a model the trace cannot follow steps eagerly)
-            log.warning("decode step of %s not captured (%s); stepping eagerly", structure[0][0].__name__, exc)
-            self._failed.add(structure)
-            self._traced.pop(structure, None)
+            log.warning("decode step of %s not captured (%s); stepping eagerly", key[0][0].__name__, exc)
+            self._steps[key] = None
             return None
         if self.traces > traces:
             log.info("decode step captured for %d rows over %d slots in %.0f ms", len(starts), parts[0].shape[2],
                      1e3 * (time.perf_counter() - t0))
         del parts  # the old storage's last holders are the step's inputs: MLX writes in place
-        i = 0
-        for layer in layers:
-            n = len(layer._buf.parts)
-            layer._buf.parts, i = new[i:i + n], i + n
-            layer._buf.size = size + 1
+        adopt_outputs(layers, new)
         self.replays += 1
         return logits
 
-    def _step_for(self, layers: list[Any]) -> Callable:
-        # Classes, schemes and static state only: a trace outlives the batch it was made for.
-        templates = [(type(layer), layer.scheme, len(layer._buf.parts), captured_state(layer)) for layer in layers]
+    def _step_for(self, layers: list[tuple[type, Any, int, dict]]) -> Callable:
         model = self.model
 
         def step(tokens, slot, starts, *parts):
             self.traces += 1
             mask = step_mask(starts, slot, parts[0].shape[2])
             views, i = [], 0
-            for cls, scheme, n, state in templates:
+            for cls, scheme, n, state in layers:
                 views.append(view(cls, scheme, list(parts[i:i + n]), slot, starts, mask, state))
                 i += n
             logits = model(tokens, cache=views)[:, -1, :]

@@ -36,8 +36,9 @@ CPU_REWRITES = ("table_rope", "cpu_ops")
 REWRITES = {"cpu": CPU_REWRITES, "cuda": ("fused_projections", "few_rows_qmv"), "metal": ()}
 # Where decode steps are captured once per batch shape and replayed (``captured.py``): a GPU,
 # whose small-model step is the host building its graph. On the CPU the kernels are most of
-# a step (build 5 of 60 ms for 8 rows of the default model) and ``mx.compile`` would compile
-# C++ with the system compiler at first use.
+# a step: building 8 rows of the default model at 300 tokens takes 5.0 ms (fp16), 3.0
+# captured (``bench/gpu_engine_split.py --device cpu --captured both``), of a step of some
+# 60 ms, and ``mx.compile`` would compile C++ with the system compiler at first use.
 CAPTURED = {"cpu": False, "cuda": True, "metal": False}
 # Prompt tokens per forward pass where the config leaves it unset. The CPU measured fastest
 # at 256. On CUDA a prompt's products run on the weights dequantized once per chunk

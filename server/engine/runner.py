@@ -490,10 +490,8 @@ class ModelRunner:
     def _forward(self, tokens: mx.array, ahead: bool = False) -> DecodeStep:
         """One decode forward over the whole batch, sampled per row, evaluation started.
         ``ahead``: fed tokens not read yet, so constrained rows sample later (``complete``)."""
-        logits = None
-        if self._captured is not None and self._captured.serves(self._batch):
-            logits = self._captured(tokens, self._batch)
-        if logits is None:
+        logits = self._captured(tokens, self._batch) if self._captured is not None else None
+        if logits is None:  # not captured: built here, operation by operation
             logits = self.model(tokens, cache=self._batch)[:, -1, :]  # (B, V)
         self._batch.maybe_convert()
         # Each row with its own sampler: per-request filters, penalties and PRNG key.
