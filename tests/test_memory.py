@@ -90,20 +90,30 @@ def test_a_prefix_entry_is_one_allocation():
     assert state_bytes(restore(snap, 300)) == state_bytes(cache)
 
 
-def test_an_entry_past_2_gib_packs_into_one_buffer():
-    """MLX's shape dimensions are 32-bit: the packed buffer is rows of PACK_ALIGN bytes, so
-    an entry may hold more than 2 GiB (an 8B model's fp16 cache at 16K tokens is 2 GiB)."""
+def test_arrays_from_1_mib_up_are_copied_on_their_own():
+    """Arrays under OWN_BUFFER share one buffer, back to back; each larger one is one copy of
+    its own (a mapping of its own under the threshold the server pins), strided or not."""
     import mlx.core as mx
     import numpy as np
 
-    from kvserve.cache.prefix.snapshot import pack
+    from kvserve.cache.prefix.snapshot import OWN_BUFFER, pack
 
-    big = mx.broadcast_to(mx.array(7, mx.uint8), (3, 1 << 29))  # 1.5 GiB, no memory of its own
+    stored = mx.arange(2 * 3 * 4096 * 64, dtype=mx.uint32).reshape(2, 3, 4096, 64).astype(mx.float16)
+    big = stored[:1, :, :3000]  # a strided view of a growable buffer: 1.1 MiB
+    whole = stored[1:]  # contiguous, the whole of its part of the buffer
     small = mx.arange(10, dtype=mx.uint16)
-    last = mx.broadcast_to(mx.array(9, mx.uint8), (1 << 29, 2))  # 1 GiB
-    a, b, c = pack([big, small, last])
-    assert (a.shape, b.shape, c.shape) == (big.shape, small.shape, last.shape)
-    assert b.tolist() == list(range(10))
-    assert a[2, -3:].tolist() == [7] * 3 and c[-1].tolist() == [9, 9] and c[0].tolist() == [9, 9]
-    at = [np.asarray(x[:1] if x.ndim == 1 else x[:1, :1]).__array_interface__["data"][0] for x in (a, b, c)]
-    assert at[1] - at[0] == big.nbytes and at[2] - at[1] == PACK_ALIGN
+    last = mx.ones((3, 5), mx.uint32)
+    a, b, c, d = pack([big, small, whole, last])
+    assert big.nbytes >= OWN_BUFFER and whole.nbytes >= OWN_BUFFER
+    assert mx.array_equal(a, big).item() and mx.array_equal(c, whole).item()
+    assert b.tolist() == list(range(10)) and d.tolist() == [[1] * 5] * 3
+    at = [np.asarray(x).__array_interface__["data"][0] for x in (a, b, c, d, stored)]
+    assert at[3] - at[1] == PACK_ALIGN  # the small ones share a buffer
+    base = at[4]  # where big and whole lie in the caller's buffer: base and its second half
+    assert len({at[0], at[1], at[2], base, base + stored.nbytes // 2}) == 5  # a copy each
+
+
+def test_the_own_buffer_size_is_the_pinned_mmap_threshold():
+    from kvserve.cache.prefix.snapshot import OWN_BUFFER
+
+    assert OWN_BUFFER == MMAP_THRESHOLD

@@ -6,12 +6,14 @@ where its state has six) and ``meta_state``. Taking one copies the arrays
 out of the caller's growable buffers, so the caller's next append neither changes the entry
 nor has to copy a buffer the entry still shares.
 
-All arrays of an entry share one allocation (``pack``). One per layer and part they are
-small (tens of KiB for a short prompt) and the same sizes as the short-lived buffers of prefill
-chunks and hit copies, so in malloc's arenas they sat between them, and the gaps that
+An entry's arrays under 1 MiB share one allocation (``pack``). One per layer and part they
+are small (tens of KiB for a short prompt) and the same sizes as the short-lived buffers of
+prefill chunks and hit copies, so in malloc's arenas they sat between them, and the gaps that
 evicted entries left stayed resident. One allocation per entry is, from 1 MiB up (the mmap
 threshold ``kvserve serve`` pins glibc at), a mapping of its own that an eviction hands
-back to the OS whole.
+back to the OS whole. An array of 1 MiB or more is such a mapping by itself, so it is copied
+on its own: one copy, where joining it into the shared buffer took two (a strided slice
+flattened, then concatenated), 3-4x the time for a long prompt's entry.
 
 Which prefixes a copy can serve exactly. A copy trimmed to m tokens is only handed out when
 it equals what the original held at m tokens. Each layer records its ``reach``, how many of
@@ -141,36 +143,39 @@ def kv_floor(cache: PromptCache) -> int:
 
 # Offset alignment of each array inside an entry's one allocation (any dtype, SIMD loads).
 PACK_ALIGN = 64
+# From this size up an array is copied on its own: glibc then serves it from a mapping of its
+# own (server/engine/heap.py pins its threshold at this value).
+OWN_BUFFER = 1 << 20
 
 
 def pack(arrays: Sequence[mx.array]) -> tuple[mx.array, ...]:
-    """Evaluated copies of ``arrays`` (contiguous or not) that share one buffer.
+    """Evaluated copies of ``arrays`` (contiguous or not): those under ``OWN_BUFFER`` bytes
+    share one buffer, each larger one has a buffer of its own.
 
-    The buffer is laid out as rows of ``PACK_ALIGN`` bytes: MLX's shape dimensions are
-    32-bit, so a flat byte buffer would stop at 2 GiB (one fp16 layer stack of an 8B model
-    at 16K tokens is exactly that); rows reach 128 GiB. One array must stay under 2 GiB.
+    The shared buffer is laid out as rows of ``PACK_ALIGN`` bytes: MLX's shape dimensions are
+    32-bit, so a flat byte buffer would stop at 2 GiB; rows reach 128 GiB.
 
     >>> a, b = pack([mx.arange(6, dtype=mx.float16).reshape(2, 3)[:, :2], mx.ones((2,), mx.uint32)])
     >>> a.tolist(), b.tolist()
     ([[0.0, 1.0], [3.0, 4.0]], [1, 1])
     """
+    out: list[mx.array | None] = [mx.array(a) if a.nbytes >= OWN_BUFFER else None for a in arrays]
+    small = [i for i, a in enumerate(out) if a is None]
     parts, rows, at = [], [], 0
-    for a in arrays:
-        if a.nbytes >= 1 << 31:
-            raise ValueError(f"an array of {a.nbytes} bytes is too large to snapshot (limit 2 GiB)")
-        raw = a.reshape(-1).view(mx.uint8)  # row-major bytes (reshape copies a strided slice)
+    for i in small:
+        raw = arrays[i].reshape(-1).view(mx.uint8)  # row-major bytes (reshape copies a strided slice)
         pad = -raw.size % PACK_ALIGN
         raw = mx.concatenate([raw, mx.zeros((pad,), mx.uint8)]) if pad else raw
         parts.append(raw.reshape(-1, PACK_ALIGN))
         rows.append(at)
         at += parts[-1].shape[0]
-    if not parts:
-        return ()
-    flat = mx.concatenate(parts)  # (rows, PACK_ALIGN)
-    out = tuple(flat[r : r + part.shape[0]].reshape(-1)[: a.nbytes].view(a.dtype).reshape(a.shape)
-                for r, part, a in zip(rows, parts, arrays))
+    if parts:
+        flat = mx.concatenate(parts)  # (rows, PACK_ALIGN)
+        for i, r, part in zip(small, rows, parts):
+            a = arrays[i]
+            out[i] = flat[r : r + part.shape[0]].reshape(-1)[: a.nbytes].view(a.dtype).reshape(a.shape)
     mx.eval(out)  # slices, views and reshapes of a contiguous buffer share it
-    return out
+    return tuple(out)
 
 
 def reaches(cache: PromptCache) -> list[int]:
