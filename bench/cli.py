@@ -58,6 +58,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--completions", action="store_true",
                    help="raw prompts through /v1/completions (chosen by itself for a model "
                         "directory without a chat template: a base model)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask every request for exactly --max-tokens (ignore_eos, which kvserve and "
+                        "llama-server take; mlx_lm.server ignores it), so schemes whose greedy answers "
+                        "end at different lengths are timed over the same tokens")
     p.add_argument("--out", help="write OUT.md and OUT.png")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
@@ -206,7 +210,7 @@ def bench_target(target: Target, model_dir: Path, args, prompts: list[str], llam
     try:
         warm_up(running.base_url, running.model_name, args.chat, args.warm_prompt)
         result = run_load(running.base_url,
-                          chat_bodies(running.model_name, prompts, args.max_tokens, args.chat),
+                          chat_bodies(running.model_name, prompts, args.max_tokens, args.chat, args.ignore_eos),
                           args.concurrency)
         row = {"label": target.label, **result.summary()}
         if args.overhead and target.kind == "kvserve":
@@ -271,7 +275,8 @@ def render(rows: list[dict], args, model: str, argv: list[str], chart: str | Non
     lines = [f"# Concurrent streams: {args.concurrency} streams, {args.requests} requests", "",
              f"- date: {datetime.date.today().isoformat()}", f"- machine: {machine()}",
              f"- mlx {version('mlx')}, mlx-lm {version('mlx-lm')}", f"- model: `{model}`",
-             f"- {prompts}, up to {args.max_tokens} output tokens, greedy, streamed, through "
+             f"- {prompts}, {'exactly' if args.ignore_eos else 'up to'} {args.max_tokens} output tokens"
+             f"{' (ignore_eos)' if args.ignore_eos else ''}, greedy, streamed, through "
              f"`{'/v1/chat/completions' if args.chat else '/v1/completions'}`",
              f"- command: `kvserve bench {shlex.join(argv)}`", "",
              markdown_table(rows, baseline), "",
@@ -301,7 +306,7 @@ def main(argv: list[str]) -> int:
         args.chat = not args.completions
         warm_up(args.url, args.model or "default", args.chat, args.warm_prompt)
         result = run_load(args.url, chat_bodies(args.model or "default", prompts, args.max_tokens,
-                                                args.chat), args.concurrency)
+                                                args.chat, args.ignore_eos), args.concurrency)
         rows = [{"label": args.url, **result.summary()}]
         model = args.model or "default"
     else:

@@ -143,19 +143,25 @@ async def _drive(base_url: str, bodies: list[dict], concurrency: int, timeout: f
     return LoadResult(results, wall)
 
 
-def chat_bodies(model: str, prompts: list[str], max_tokens: int, chat: bool = True) -> list[dict]:
+def chat_bodies(model: str, prompts: list[str], max_tokens: int, chat: bool = True,
+                ignore_eos: bool = False) -> list[dict]:
     """Streaming greedy requests that ask for usage in the last chunk: chat messages, or
     with ``chat`` False raw prompts for ``/v1/completions`` (a base model has no chat
-    template).
+    template). ``ignore_eos``: every request generates ``max_tokens`` (a server that knows
+    the field), so servers and schemes whose greedy answers end at different lengths do the
+    same work.
 
     >>> [sorted(b) for b in chat_bodies("m", ["hi"], 4) + chat_bodies("m", ["hi"], 4, chat=False)]
     ... # doctest: +NORMALIZE_WHITESPACE
     [['max_tokens', 'messages', 'model', 'stream', 'stream_options', 'temperature'],
      ['max_tokens', 'model', 'prompt', 'stream', 'stream_options', 'temperature']]
+    >>> chat_bodies("m", ["hi"], 4, ignore_eos=True)[0]["ignore_eos"]
+    True
     """
     text = (lambda p: {"messages": [{"role": "user", "content": p}]}) if chat else (lambda p: {"prompt": p})
+    extra = {"ignore_eos": True} if ignore_eos else {}
     return [{"model": model, **text(p), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-             "stream_options": {"include_usage": True}} for p in prompts]
+             "stream_options": {"include_usage": True}, **extra} for p in prompts]
 
 
 def _path(body: dict) -> str:

@@ -125,6 +125,9 @@ def _post(server, path: str, body) -> httpx.Response:
         ({"model": "tiny-llama", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"model": "tiny-llama", "messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
         ({"model": "tiny-llama", "messages": CHAT, "min_p": -0.1}, "min_p"),
+        ({"model": "tiny-llama", "messages": CHAT, "ignore_eos": "yes"}, "ignore_eos"),
+        ({"model": "tiny-llama", "messages": CHAT, "ignore_eos": True,
+          "response_format": {"type": "json_object"}}, "ignore_eos"),
         ({"model": "tiny-llama", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"model": "tiny-llama", "messages": CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"model": "tiny-llama", "messages": CHAT, "chat_template_kwargs": {"tools": "x"}}, None),
@@ -305,6 +308,18 @@ def test_completion_logprobs_legacy_shape(client, model_id):
     assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v)
                for top, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_ignore_eos_runs_to_max_tokens(server):
+    """With its end-of-sequence tokens forced, a reply ends at once with "stop"; with
+    ignore_eos (vLLM's and llama.cpp's field, for benchmarks) the same request generates
+    max_tokens and ends with "length"."""
+    body = {"model": "tiny-llama", "messages": CHAT, "temperature": 0, "max_tokens": 6,
+            "logit_bias": {"0": 100, "2": 100}}
+    plain = _post(server, "/v1/chat/completions", body).json()
+    assert (plain["choices"][0]["finish_reason"], plain["usage"]["completion_tokens"]) == ("stop", 1)  # the EOS
+    kept = _post(server, "/v1/chat/completions", {**body, "ignore_eos": True}).json()
+    assert (kept["choices"][0]["finish_reason"], kept["usage"]["completion_tokens"]) == ("length", 6)
 
 
 def test_logit_bias_forces_a_token(client, model_id):

@@ -302,7 +302,7 @@ class Engine:
             output = OutputState(
                 detokenizer=tokenizer.detokenizer,
                 matcher=StopMatcher(member.params.stop),
-                eos_token_ids=frozenset(tokenizer.eos_token_ids),
+                eos_token_ids=frozenset(() if member.params.ignore_eos else tokenizer.eos_token_ids),
             )
             self._live[member.request_id] = _Live(member, sink, output)
         self.scheduler.add(request)

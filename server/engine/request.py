@@ -44,7 +44,8 @@ class SamplingParams:
     ``logprobs`` asks for the log-probability of each sampled token and ``top_logprobs``
     for that many alternatives, both from the model's own distribution (before penalties,
     filters and temperature). ``grammar`` constrains the output (``grammar.py``);
-    ``thinking`` closes a reasoning block once it has used its budget (``thinking.py``).
+    ``thinking`` closes a reasoning block once it has used its budget (``thinking.py``);
+    ``ignore_eos`` keeps generating past end-of-sequence tokens, up to ``max_tokens``.
 
     Example:
         >>> p = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((5, -100.0),))
@@ -66,6 +67,7 @@ class SamplingParams:
     top_logprobs: int = 0
     grammar: Grammar | None = None
     thinking: ThinkingBudget | None = None
+    ignore_eos: bool = False  # end-of-sequence tokens are output like any other
 
     @property
     def greedy(self) -> bool:

@@ -68,6 +68,9 @@ class SamplingFields(_Body):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Bias] | None = None
+    # Not in OpenAI's API (vLLM and llama.cpp take it): end-of-sequence tokens do not end the
+    # reply, so every request generates max_tokens, as a benchmark comparing servers needs.
+    ignore_eos: bool = False
 
     @field_validator("logit_bias")
     @classmethod

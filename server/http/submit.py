@@ -43,13 +43,16 @@ def sampling_params(body: SamplingFields, prompt_len: int, context: int, limits:
     if any(token >= vocab_size for token, _ in bias):
         raise APIError(400, f"logit_bias token ids must be below the vocabulary size {vocab_size}",
                        param="logit_bias")
+    if body.ignore_eos and grammar is not None:  # a grammar ends by its end-of-sequence token
+        raise APIError(400, "ignore_eos cannot be combined with response_format or tools", param="ignore_eos")
     logprobs, top = body.logprob_request()
     return SamplingParams(max_tokens=min(requested or limits.max_tokens, room, limits.max_tokens_limit),
                           temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           min_p=body.min_p, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=bias,
                           seed=None if body.seed is None else body.seed % SEED_SPAN,
-                          stop=body.stop_list(), logprobs=logprobs, top_logprobs=top, grammar=grammar)
+                          stop=body.stop_list(), logprobs=logprobs, top_logprobs=top, grammar=grammar,
+                          ignore_eos=body.ignore_eos)
 
 
 # OpenAI seeds are signed 64-bit; MLX's PRNG takes unsigned 64-bit, so seeds wrap into it
