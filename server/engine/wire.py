@@ -48,10 +48,11 @@ from kvserve.server.engine.thinking import ThinkingBudget
 def params_to_dict(p: SamplingParams) -> dict[str, Any]:
     """Every sampling field; a grammar as its kind and text, a thinking budget as its fields.
 
-    >>> params_from_dict(json.loads(json.dumps(params_to_dict(SamplingParams(logit_bias=((5, -1.0),))))))
+    >>> p = SamplingParams(logit_bias=((5, -1.0),), ignore_eos=True)
+    >>> params_from_dict(json.loads(json.dumps(params_to_dict(p))))
     SamplingParams(max_tokens=512, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0, \
 frequency_penalty=0.0, logit_bias=((5, -1.0),), seed=None, stop=(), logprobs=False, top_logprobs=0, grammar=None, \
-thinking=None)
+thinking=None, ignore_eos=True)
     >>> budget = SamplingParams(thinking=ThinkingBudget(1024, start=(7,), end=(8, 9), open=True))
     >>> params_from_dict(json.loads(json.dumps(params_to_dict(budget)))) == budget
     True
