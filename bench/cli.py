@@ -43,7 +43,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gguf", help="GGUF file for llama targets (default: the one the model directory "
                                   "was converted from, when kvserve ships it)")
     p.add_argument("--url", help="drive a server that is already running instead")
-    p.add_argument("--model", help="model directory for targets; with --url, the request's model")
+    p.add_argument("--model", help="model directory for targets; with --url, the requests' model name, or a "
+                                  "model directory whose tokenizer sizes the prompts (requests then name \"default\")")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=100)
@@ -141,13 +142,23 @@ def sized_prompts(args, count: Callable[[str], int] | None) -> list[str]:
     return make_prompts(args.requests, args.prompt_tokens, count)
 
 
+def request_model(model: str | None) -> str:
+    """The ``model`` field of ``--url`` requests: a model directory given to size the prompts
+    is sent as "default" (a server names its model after itself, not after a path here).
+
+        >>> request_model(None), request_model("SmolLM2-135M-Instruct"), request_model(".")
+        ('default', 'SmolLM2-135M-Instruct', 'default')
+    """
+    return "default" if not model or Path(model).is_dir() else model
+
+
 def url_prompts(args) -> list[str]:
     """Prompts for ``--url``: sized by the model directory's tokenizer when ``--model`` is
     one, else by the server's own count; by the rule of thumb where the server cannot count."""
     if args.model and Path(args.model).is_dir():
         return sized_prompts(args, tokenizer_counter(Path(args.model)))
     try:
-        count = server_counter(args.url, args.model or "default")
+        count = server_counter(args.url, request_model(args.model))
         prompts = sized_prompts(args, count)
         print("bench: prompt sizes counted by the server", file=sys.stderr, flush=True)
         return prompts
@@ -304,8 +315,8 @@ def main(argv: list[str]) -> int:
     if args.url:
         prompts = url_prompts(args)
         args.chat = not args.completions
-        warm_up(args.url, args.model or "default", args.chat, args.warm_prompt)
-        result = run_load(args.url, chat_bodies(args.model or "default", prompts, args.max_tokens,
+        warm_up(args.url, request_model(args.model), args.chat, args.warm_prompt)
+        result = run_load(args.url, chat_bodies(request_model(args.model), prompts, args.max_tokens,
                                                 args.chat, args.ignore_eos), args.concurrency)
         rows = [{"label": args.url, **result.summary()}]
         model = args.model or "default"

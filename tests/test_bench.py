@@ -15,18 +15,23 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_drives_a_running_server_and_counts_its_tokens(tiny_model_dir, tmp_path):
+    """Prompts sized by the server's own count, or by ``--model``'s tokenizer when it names
+    a model directory, whose path is then no model name the requests could carry."""
     proc = ServerProcess(tiny_model_dir, "--cache-dir", str(tmp_path)).wait_ready()
+    run = ("--url", proc.base_url, "--concurrency", "3", "--requests", "5", "--prompt-tokens", "30",
+           "--max-tokens", "9", "--json")
     try:
-        result = _bench("--url", proc.base_url, "--concurrency", "3", "--requests", "5",
-                        "--prompt-tokens", "30", "--max-tokens", "9", "--json")
+        counted, sized = _bench(*run), _bench(*run, "--model", str(tiny_model_dir))
     finally:
         assert proc.stop() == 0
-    assert result.returncode == 0, result.stderr
-    assert "prompt sizes counted by the server" in result.stderr
-    (row,) = json.loads(result.stdout)
-    assert (row["requests"], row["errors"], row["output_tokens"]) == (5, 0, 45)  # the warm-up apart
-    assert 0 < row["ttft_p50"] <= row["ttft_p99"] <= row["e2e_p99"]
-    assert row["output_tok_s"] == 45 / row["wall_s"]
+    assert counted.returncode == 0 and sized.returncode == 0, counted.stderr + sized.stderr
+    assert "prompt sizes counted by the server" in counted.stderr
+    assert "prompt sizes counted by the server" not in sized.stderr
+    for result in (counted, sized):
+        (row,) = json.loads(result.stdout)
+        assert (row["requests"], row["errors"], row["output_tokens"]) == (5, 0, 45)  # the warm-up apart
+        assert 0 < row["ttft_p50"] <= row["ttft_p99"] <= row["e2e_p99"]
+        assert row["output_tok_s"] == 45 / row["wall_s"]
 
 
 def test_bench_runs_kvserve_and_the_mlx_lm_peer_in_one_run(tiny_model_dir, tmp_path):
