@@ -401,7 +401,9 @@ void normalize_rows(float* s, int T, int n, float* sums) {
   int r = 0;
   for (; r + 8 <= n; r += 8) sum_rows<8>(s + size_t(r) * T, T, sums + r);
   for (; r + 4 <= n; r += 4) sum_rows<4>(s + size_t(r) * T, T, sums + r);
-  for (; r < n; r++) sum_rows<1>(s + size_t(r) * T, T, sums + r);
+  if (n - r == 3) sum_rows<3>(s + size_t(r) * T, T, sums + r);  // a decode step's n_rep rows
+  else if (n - r == 2) sum_rows<2>(s + size_t(r) * T, T, sums + r);
+  else if (n - r == 1) sum_rows<1>(s + size_t(r) * T, T, sums + r);
   for (r = 0; r < n; r++) {
     float* sr = s + size_t(r) * T;
     float inv = 1.0f / sums[r];
@@ -409,7 +411,7 @@ void normalize_rows(float* s, int T, int n, float* sums) {
   }
 }
 
-#include "cpu_attention_affine.h"  // score_affine, accumulate_affine_rows
+#include "cpu_attention_affine.h"  // score_affine, accumulate_affine_rows, accumulate_turbo4_rows
 
 int items_per_pair(const Call& c) {
   int rows = (c.Hq / c.Hkv) * c.L;
@@ -488,8 +490,10 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
   normalize_rows(s, T, n, sums);
   std::fill(acc, acc + size_t(n) * Dv, 0.0f);
   std::fill(zs, zs + size_t(n) * groups, 0.0f);
+  const bool as_codes = c.values.kind == AFFINE || (c.values.kind == TURBO && c.values.bits == 4);
   if (c.values.kind == AFFINE) accumulate_affine_rows(c.values, b, h, n, T, Dv, s, acc, zs);
-  for (int t0 = 0; c.values.kind != AFFINE && t0 < T; t0 += kTokenBlock) {
+  else if (as_codes) accumulate_turbo4_rows(c.values, b, h, n, T, Dv, s, acc);
+  for (int t0 = 0; !as_codes && t0 < T; t0 += kTokenBlock) {
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
     if (c.values.kind != RAW)
       for (int t = t0; t < t1; t++) dequant_token(c.values, b, h, t, tokens + size_t(t - t0) * Dv);

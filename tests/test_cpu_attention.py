@@ -23,7 +23,7 @@ from kvserve.cache import SCHEME_NAMES
 from kvserve.cache.affine import QuantizedFormat
 from kvserve.cache.base import causal_mask
 from kvserve.cache.scheme import parse_scheme
-from kvserve.cache.turbo_codec import RawFormat
+from kvserve.cache.turbo_codec import RawFormat, make_format
 from kvserve.kernels import cpu_attention, dispatch
 from kvserve.kernels.reference import attend_full
 
@@ -178,27 +178,50 @@ def test_stale_affine_slots_behind_a_mask_never_leak():
     assert mx.all(mx.isfinite(got)).item() and mx.allclose(got, want, atol=1e-4).item()
 
 
-@pytest.mark.parametrize("name", ["fp16", "affine4", "affine8", "affine4-g32"])
+@pytest.mark.parametrize("name", ["fp16", "affine4", "affine8", "affine4-g32", "turbo0v4"])
 def test_a_row_gives_the_same_bits_alone_in_a_batch_and_as_a_chunks_last_query(name):
     """Each query row is scored and weighted by the same arithmetic whichever call it is in:
     a decode query alone, the same query in a left-padded batch of 3, and the last query of an
     8-token prompt chunk (which sees every slot) give the same bits, so a request's tokens do
     not depend on its neighbours or on how its prompt was cut."""
     scheme = parse_scheme(name)
-    fmt = RawFormat(64) if name == "fp16" else QuantizedFormat(scheme.keys)
     T = 70
     k, v = _rand((3, 3, T, 64), 2), _rand((3, 3, T, 64), 3)
     if name == "fp16":
+        kf = vf = RawFormat(64)
         kp, vp = (k.astype(mx.float16),), (v.astype(mx.float16),)
+    elif scheme.values.kind == "turbo":
+        kf, vf = make_format(scheme.keys, 64), make_format(scheme.values, 64)
+        kp, vp = tuple(kf.encode(k)), tuple(vf.encode(v))
     else:
+        kf = vf = QuantizedFormat(scheme.keys)
         kp, vp = _stored(k, scheme.keys), _stored(v, scheme.values)
     q = _rand((3, 9, 8, 64), 1)
     row = lambda parts: tuple(p[2:3] for p in parts)  # noqa: E731
-    alone = cpu_attention.attend_cpu(q[2:3, :, 7:], fmt, row(kp), fmt, row(vp), 0.125, None)
+    alone = cpu_attention.attend_cpu(q[2:3, :, 7:], kf, row(kp), vf, row(vp), 0.125, None)
     pads = causal_mask(1, T - 1, mx.array([5, 11, 0]))  # row 2 unpadded
-    batched = cpu_attention.attend_cpu(q[:, :, 7:], fmt, kp, fmt, vp, 0.125, pads)[2:3]
-    chunk = cpu_attention.attend_cpu(q[2:3], fmt, row(kp), fmt, row(vp), 0.125, "causal")[:, :, 7:]
+    batched = cpu_attention.attend_cpu(q[:, :, 7:], kf, kp, vf, vp, 0.125, pads)[2:3]
+    chunk = cpu_attention.attend_cpu(q[2:3], kf, row(kp), vf, row(vp), 0.125, "causal")[:, :, 7:]
     assert mx.array_equal(alone, batched).item() and mx.array_equal(alone, chunk).item()
+
+
+@pytest.mark.parametrize("name", ["affine4-g32", "affine4-g128", "affine8", "affine8-g128"])
+@pytest.mark.parametrize("n_rep", [1, 2, 4])
+def test_few_rows_scored_from_the_codes_give_the_block_paths_bits(name, n_rep):
+    """A decode step's n_rep rows (at most 4) are scored from the codes in registers, 64
+    tokens at a time; a prompt chunk's rows from codes widened to a block of floats. The last
+    query of a 6-token chunk and the same query alone get the same bits, over 300 tokens
+    (whole 64-token runs, a run of 16-token chunks, a 12-token tail, and a second token block)."""
+    scheme = parse_scheme(name)
+    fmt = QuantizedFormat(scheme.keys)
+    T = 300
+    kp, vp = _stored(_rand((1, 2, T, 128), 2), scheme.keys), _stored(_rand((1, 2, T, 128), 3), scheme.values)
+    q = _rand((1, 2 * n_rep, 6, 128), 1)
+    alone = cpu_attention.attend_cpu(q[:, :, 5:], fmt, kp, fmt, vp, 0.125, None)
+    chunk = cpu_attention.attend_cpu(q, fmt, kp, fmt, vp, 0.125, causal_mask(6, T - 6))[:, :, 5:]
+    want = attend_full(q[:, :, 5:], fmt, kp, fmt, vp, 0.125, None)
+    assert mx.array_equal(alone, chunk).item()
+    assert mx.allclose(alone, want, atol=TOL[mx.float32]).item()
 
 
 def test_head_dim_of_three_groups():
@@ -216,7 +239,7 @@ import json
 from kvserve.kernels import cpu_attention, dispatch
 from kvserve.cache.affine import QuantizedFormat
 from kvserve.cache.scheme import parse_scheme
-from kvserve.cache.turbo_codec import RawFormat
+from kvserve.cache.turbo_codec import RawFormat, make_format
 f = QuantizedFormat(parse_scheme("affine4").keys)
 print(json.dumps({"available": cpu_attention.available(), "choice": dispatch.choose(f, f, 1, 10)}))
 """
