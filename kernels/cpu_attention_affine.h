@@ -10,18 +10,26 @@
 // way (accumulate_turbo4_rows): a norm per token for the scale, centroids for the codes.
 #pragma once
 
-// 4-bit codes (each lane's low 4 bits; the bits above are ignored) as float32: one lookup in a
-// register of 0..15 (vpermps reads only the index's low 4 bits), where masking and converting
-// took two instructions on the ports the multiply-adds need.
-inline v16f nibbles_as_float(v16u u) {
 #if defined(__AVX512F__)
-  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+// ``table`` at each lane's low 4 bits, the bits above ignored (vpermps reads only those).
+inline v16f lookup16(v16u u, v16f table) {
+  __m512 t;
   __m512i i;
+  std::memcpy(&t, &table, sizeof t);
   std::memcpy(&i, &u, sizeof i);
-  __m512 f = _mm512_permutexvar_ps(i, table);
+  __m512 f = _mm512_permutexvar_ps(i, t);
   v16f x;
   std::memcpy(&x, &f, sizeof x);
   return x;
+}
+#endif
+
+// 4-bit codes (each lane's low 4 bits; the bits above are ignored) as float32: one lookup in a
+// register of 0..15, where masking and converting took two instructions on the ports the
+// multiply-adds need.
+inline v16f nibbles_as_float(v16u u) {
+#if defined(__AVX512F__)
+  return lookup16(u, v16f{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
 #else
   return __builtin_convertvector(u & 15u, v16f);
 #endif
@@ -44,14 +52,7 @@ struct Centroids {
   v16f table;
   v16f operator()(v16u u) const {
 #if defined(__AVX512F__)
-    __m512 t;
-    __m512i i;
-    std::memcpy(&t, &table, sizeof t);
-    std::memcpy(&i, &u, sizeof i);
-    __m512 f = _mm512_permutexvar_ps(i, t);
-    v16f x;
-    std::memcpy(&x, &f, sizeof x);
-    return x;
+    return lookup16(u, table);
 #else
     v16f x;
     for (int l = 0; l < 16; l++) x[l] = table[u[l] & 15u];
