@@ -491,8 +491,10 @@ void attend_rows(const Call& c, int b, int h, int g0, int n, std::vector<float>&
   std::fill(acc, acc + size_t(n) * Dv, 0.0f);
   std::fill(zs, zs + size_t(n) * groups, 0.0f);
   const bool as_codes = c.values.kind == AFFINE || (c.values.kind == TURBO && c.values.bits == 4);
-  if (c.values.kind == AFFINE) accumulate_affine_rows(c.values, b, h, n, T, Dv, s, acc, zs);
-  else if (as_codes) accumulate_turbo4_rows(c.values, b, h, n, T, Dv, s, acc);
+  // Weighting values as codes needs (4 * Dv / group + 2) x kTokenBlock floats of scratch, at
+  // most (Dv / 8 + 2) x kTokenBlock: the token and key blocks, free once the keys are scored.
+  if (c.values.kind == AFFINE) accumulate_affine_rows(c.values, b, h, n, T, Dv, s, acc, zs, tokens);
+  else if (as_codes) accumulate_turbo4_rows(c.values, b, h, n, T, Dv, s, acc, tokens);
   for (int t0 = 0; !as_codes && t0 < T; t0 += kTokenBlock) {
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
     if (c.values.kind != RAW)

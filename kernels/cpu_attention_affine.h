@@ -335,13 +335,13 @@ void accumulate_affine(const Component& c, int b, int h, int t0, int t1, int Dv,
 
 // Rows [0, n) of a pair over affine values, four rows at a time: ``s`` the rows'
 // probabilities (n x T), ``acc`` their accumulators (n x Dv), ``zs`` their bias sums (n x
-// Dv / group). Token blocks outermost, so a block's codes stay in cache for every row.
+// Dv / group), ``work`` (4 * Dv / group + 2) x kTokenBlock floats of scratch. Token blocks
+// outermost, so a block's codes stay in cache for every row.
 template <int DT, int BITS, class Codes = Nibbles>
 void accumulate_affine_rows(const Component& c, int b, int h, int n, int T, int Dv, const float* s,
-                            float* acc, float* zs, const Codes& codes4 = {}) {
+                            float* acc, float* zs, float* work, const Codes& codes4 = {}) {
   const int groups = Dv / c.group;
-  std::vector<float> scratch(size_t(4 * groups + 2) * kTokenBlock);
-  float *ws = scratch.data(), *sz = ws + size_t(4 * groups) * kTokenBlock;
+  float *ws = work, *sz = ws + size_t(4 * groups) * kTokenBlock;
   for (int t0 = 0; t0 < T; t0 += kTokenBlock) {
     int t1 = t0 + kTokenBlock < T ? t0 + kTokenBlock : T;
     for (int r0 = 0; r0 < n; r0 += 4) {
@@ -363,11 +363,11 @@ void accumulate_affine_rows(const Component& c, int b, int h, int n, int T, int 
 }
 
 void accumulate_affine_rows(const Component& c, int b, int h, int n, int T, int Dv, const float* s,
-                            float* acc, float* zs) {
+                            float* acc, float* zs, float* work) {
   auto run = [&](auto dt) {
     constexpr int DT = decltype(dt)::value;
-    if (c.bits == 4) accumulate_affine_rows<DT, 4>(c, b, h, n, T, Dv, s, acc, zs);
-    else accumulate_affine_rows<DT, 8>(c, b, h, n, T, Dv, s, acc, zs);
+    if (c.bits == 4) accumulate_affine_rows<DT, 4>(c, b, h, n, T, Dv, s, acc, zs, work);
+    else accumulate_affine_rows<DT, 8>(c, b, h, n, T, Dv, s, acc, zs, work);
   };
   if (c.dtype == F16) run(std::integral_constant<int, F16>{});
   else if (c.dtype == BF16) run(std::integral_constant<int, BF16>{});
@@ -378,11 +378,12 @@ void accumulate_affine_rows(const Component& c, int b, int h, int n, int T, int 
 // value is norm_t * centroid[code] (rotated basis), so sum_t p_t v_t = sum_t (p_t norm_t)
 // centroid[code_t], the weights a multiply each per token block and the codes looked up in a
 // register, where decoding every token to floats first (norm times centroid, written out and
-// read back for every row) cost more than the weighting.
-void accumulate_turbo4_rows(const Component& c, int b, int h, int n, int T, int Dv, const float* s, float* acc) {
+// read back for every row) cost more than the weighting. ``work``: 6 x kTokenBlock floats.
+void accumulate_turbo4_rows(const Component& c, int b, int h, int n, int T, int Dv, const float* s, float* acc,
+                            float* work) {
   Component v = c;  // one group spanning the row, scaled by the token's norm (float32), no bias
   v.group = Dv;
   v.dtype = F32;
   v.biases = nullptr;
-  accumulate_affine_rows<F32, 4>(v, b, h, n, T, Dv, s, acc, nullptr, Centroids{load(c.table)});
+  accumulate_affine_rows<F32, 4>(v, b, h, n, T, Dv, s, acc, nullptr, work, Centroids{load(c.table)});
 }
