@@ -41,14 +41,14 @@ from kvserve.kernels.cuda_source import (
     split_source,
 )
 from kvserve.kernels.cuda_layout import (
-    ROW_STARTS,
+    ROW_SPANS,
     Layout,
     kernel_name,
     layout_of,
     mask4,
     mask_kind,
     part_widths,
-    row_starts,
+    row_spans,
 )
 from kvserve.kernels.cuda_mma_header import MMA_HEADER
 from kvserve.kernels.cuda_mma_source import mma_source
@@ -275,11 +275,12 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     worked out once per shape family (``_family_plan``); per call remain the checks and
     the launch shape that involve T."""
     T = keys[0].shape[2]
-    # A padded batch's decode mask known by its rows' first slots: the tensor-core pass reads
-    # one start per row (mask kind 5); other passes, and other masks, read the mask itself.
-    starts = row_starts(mask, queries.shape[0]) if queries.shape[2] == 1 else None
-    fam = None if starts is None else _family_plan(queries, key_fmt, keys, value_fmt, values,
-                                                   ROW_STARTS, key_scale)
+    # A decode mask known by its rows' spans (a padded batch's, a captured step's): the
+    # tensor-core pass reads one start per row and the end (mask kind 5); other passes, and
+    # other masks, read the mask itself.
+    spans = row_spans(mask, queries.shape[0]) if queries.shape[2] == 1 else None
+    fam = None if spans is None else _family_plan(queries, key_fmt, keys, value_fmt, values,
+                                                  ROW_SPANS, key_scale)
     if fam is None:
         fam = _family_plan(queries, key_fmt, keys, value_fmt, values, mask, key_scale)
     if fam is None or T == 0 or T > MAX_ELEMS - TT or any(a.shape[2] != T for a in (*keys, *values)) \
@@ -288,7 +289,7 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
         # stall a decode step queued ahead on every layer.
         return attend_dense(queries, key_fmt, keys, value_fmt, values, scale, mask, key_scale, sinks=sinks)
     kl, vl, kind = fam.kl, fam.vl, fam.mask_kind
-    mask_in = [starts] if kind == 5 else [mask4(mask)] if kind >= 2 else []
+    mask_in = [spans] if kind == 5 else [mask4(mask)] if kind >= 2 else []
     if fam.mma is not None:
         o_part, ml_part = _mma_pass(queries, fam, keys, values, scale, mask_in, value_fmt)
     else:

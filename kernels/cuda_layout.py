@@ -98,33 +98,53 @@ def part_widths(layout: Layout, dim: int) -> list[int]:
     return [-(-dim * layout.bits // 32), 1]
 
 
-ROW_STARTS = "row starts"  # the family plan's marker for mask kind 5
+ROW_SPANS = "row spans"  # the family plan's marker for mask kind 5
 _PADDED_MAX = 16  # masks remembered: one per decode step and batch, a handful live at once
 _padded: dict[int, list] = {}
 
 
 def note_left_padding(mask: mx.array, padding: list[int]) -> mx.array:
     """Remember that ``mask`` (B, 1, 1, T) hides exactly row b's first ``padding[b]`` slots,
-    as a left-padded batch's decode mask does, so the kernels can take each row's first slot
-    instead of reading the mask (``row_starts``). Returns ``mask``.
+    as a left-padded batch's decode mask does, so the kernels can read each row's span
+    instead of the mask (``row_spans``). Returns ``mask``.
 
         >>> m = note_left_padding(mx.array([[[[False, True]]], [[[True, True]]]]), [1, 0])
-        >>> row_starts(m, 2).tolist(), row_starts(mx.array(m), 2)
-        ([1, 0], None)
+        >>> row_spans(m, 2).tolist(), row_spans(mx.array(m), 2)
+        ([1, 0, 2], None)
     """
+    return _note(mask, len(padding), lambda: mx.array([*padding, mask.shape[-1]], dtype=mx.int32))
+
+
+def note_row_spans(mask: mx.array, starts: mx.array, end: mx.array) -> mx.array:
+    """Remember that ``mask`` (B, 1, 1, capacity) shows row b exactly slots
+    [starts[b], end): a captured decode step's mask over storage longer than its rows
+    (``kvserve.cache.captured``), whose kernels then read up to ``end`` only, not the
+    capacity. ``starts`` (B,) and ``end`` (a scalar) are arrays. Returns ``mask``.
+
+        >>> starts, end = mx.array([1, 0]), mx.array(3)
+        >>> m = note_row_spans((mx.arange(8)[None] >= starts[:, None]) & (mx.arange(8) < end), starts, end)
+        >>> row_spans(m, 2).tolist()
+        [1, 0, 3]
+    """
+    return _note(mask, starts.shape[0],
+                 lambda: mx.concatenate([starts.astype(mx.int32), end.reshape(1).astype(mx.int32)]))
+
+
+def _note(mask: mx.array, batch: int, spans) -> mx.array:
     if len(_padded) >= _PADDED_MAX:
         _padded.pop(next(iter(_padded)))
-    _padded[id(mask)] = [mask, list(padding), None]  # the mask itself keeps its id unique
+    _padded[id(mask)] = [mask, batch, spans]  # the mask itself keeps its id unique
     return mask
 
 
-def row_starts(mask: Any, batch: int) -> mx.array | None:
-    """Each row's first slot (B,) int32 for a mask ``note_left_padding`` saw, else None."""
+def row_spans(mask: Any, batch: int) -> mx.array | None:
+    """(B + 1,) int32 for a mask ``note_left_padding`` or ``note_row_spans`` saw: each row's
+    first slot, then the slot every row ends before; else None. Built once per mask."""
     entry = _padded.get(id(mask)) if isinstance(mask, mx.array) else None
-    if entry is None or entry[0] is not mask or len(entry[1]) != batch:
+    if entry is None or entry[0] is not mask or entry[1] != batch:
         return None
-    if entry[2] is None:
-        entry[2] = mx.array(entry[1], dtype=mx.int32)
+    if callable(entry[2]):
+        entry[2] = entry[2]()
     return entry[2]
 
 
@@ -133,17 +153,19 @@ def mask_kind(mask: Any, L: int) -> int:
     4 boolean array shared by every head and query: (B or 1, 1, 1, T), the mask of a
     left-padded batch's decode step. Kind 4 reads one value per token instead of one per
     score (the generic index costs more than the load; padding doubled affine4's time).
-    5 (``ROW_STARTS``): such a mask known to hide exactly each row's first slots
-    (``row_starts``); the kernel then reads row b from its first slot on, one int per row.
+    5 (``ROW_SPANS``): such a mask known to show each row one span of slots, its first
+    ones hidden by padding, its last ones past the end of a captured step's rows
+    (``row_spans``); the kernel then reads row b's span only, from one int per row and
+    one for the end.
 
         >>> mask_kind(None, 1), mask_kind("causal", 1), mask_kind("causal", 4)
         (0, 0, 1)
         >>> mask_kind(mx.ones((3, 1, 1, 9), mx.bool_), 1), mask_kind(mx.ones((3, 1, 4, 9), mx.bool_), 4)
         (4, 2)
-        >>> mask_kind(ROW_STARTS, 1)
+        >>> mask_kind(ROW_SPANS, 1)
         5
     """
-    if isinstance(mask, str) and mask == ROW_STARTS:
+    if isinstance(mask, str) and mask == ROW_SPANS:
         return 5
     if mask is None or (isinstance(mask, str) and L == 1):
         return 0

@@ -212,7 +212,7 @@ __PAIR_MAPS__
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int split = blockIdx.y, n_split = gridDim.y, bh = blockIdx.z;
-  const int Hkv = k0_shape[1], T = k0_shape[2], Hq = q_shape[1], L = q_shape[2];
+  const int Hkv = k0_shape[1], T = __T_END__, Hq = q_shape[1], L = q_shape[2];
   const int R = Hq / Hkv, ROWS = R * L, b = bh / Hkv, h = bh % Hkv;
   const int row0 = blockIdx.x * 8 * NR;
   const int n_steps = (T + STEP - 1) / STEP, per = (n_steps + n_split - 1) / n_split;
@@ -425,6 +425,9 @@ def mma_source(key_layout, value_layout, mask: int, kfast: bool = False, vfast: 
               "  const int64_t mts = mask_strides[3];\n  constexpr int start = 0;",
            5: "  const int start = min(mask[b], T - 1);  // this row's first slot: at least one is read"
            }.get(mask, "  constexpr int start = 0;")
+    # Kind 5's rows end at mask[B] (a captured step's storage runs past its rows): every
+    # bound below (steps, splits, edge clamps) is then the rows', and steps past it are not read.
+    body = body.replace("__T_END__", "max(1, min(mask[q_shape[0]], k0_shape[2]))" if mask == 5 else "k0_shape[2]")
     body = body.replace("__MASK_ROW__", row)
     body = body.replace("__LUT_LOAD__", lut).replace("__P_SCALE__", scale).replace("__SIDE_LOAD__", side)
     body = body.replace("__K_BASE__", component_code(key_layout, "k")["K_BASE"])

@@ -166,8 +166,9 @@ def test_captured_steps_decode_exactly_as_eager_ones(model, arch, scheme):
     runner = ModelRunner(net, parse_scheme(scheme), captured=True)
     captured = drive(runner, make_requests(greedy_params()), arrivals=arrivals, step_tokens=10, prefill=8).tokens
     assert captured == eager
-    steps = runner._captured
+    steps, paths = runner._captured, runner.decode_paths
+    assert paths["captured"] == steps.replays and runner.decode_traces == steps.traces
     if arch == "gemma3_text" or scheme == "turbo4":  # windows; calibrated key scales
-        assert steps.traces == steps.replays == 0
+        assert steps.traces == steps.replays == 0 < paths["eager"]
     else:
         assert steps.replays > 2 * steps.traces > 0  # most steps replayed a trace

@@ -344,6 +344,12 @@ def test_metrics_in_prometheus_text_format(server, client, model_id):
     ttft = 'kvserve_time_to_first_token_seconds_count{kv_scheme="fp16"}'
     itl = 'kvserve_inter_token_latency_seconds_count{kv_scheme="fp16"}'
     assert after[ttft] - before[ttft] == 1 and after[itl] - before[itl] == 6
+    # Tokens 2-7 come from decode forwards (one more may have been queued ahead of the
+    # finish and dropped); a CPU builds them eagerly, a GPU replays captured steps.
+    steps = {path: after[f'kvserve_decode_steps_total{{path="{path}"}}']
+             - before[f'kvserve_decode_steps_total{{path="{path}"}}'] for path in ("captured", "eager")}
+    assert sum(steps.values()) in (6, 7) and (steps["captured"] > 0) is on_gpu()
+    assert (after["kvserve_decode_traces_total"] > 0) is on_gpu()
     assert after["kvserve_prompt_tokens_total"] > before["kvserve_prompt_tokens_total"]
     assert after['kvserve_kv_cache_bytes{kv_scheme="fp16"}'] == 0  # idle again
     assert after["kvserve_requests_running"] == after["kvserve_requests_waiting"] == 0

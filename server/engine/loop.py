@@ -385,6 +385,7 @@ class Engine:
         m.waiting, m.running = len(self.scheduler.waiting), len(self.scheduler.running)
         m.kv_bytes, m.swapped = runner.kv_bytes, runner.swapped_requests
         m.kv_bytes_by_rank = runner.kv_bytes_by_rank
+        m.decode_paths, m.decode_traces = dict(runner.decode_paths), runner.decode_traces
         if runner.prefix is not None:
             m.prefix = runner.prefix.stats()
 

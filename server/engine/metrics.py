@@ -97,6 +97,8 @@ class EngineMetrics:
         self.kv_budget_bytes = 0  # --kv-memory, or its default
         self.kv_bytes_by_rank: dict[int, int] = {}  # a model split across processes: each one's
         self.swapped = 0
+        self.decode_paths = {"captured": 0, "eager": 0}  # decode forwards by path (ModelRunner)
+        self.decode_traces = 0
         # ModelRunner.memory, read at each render: allocator counters need no engine step.
         self.memory: Callable[[], dict[str, int]] = dict
         self.prefix: dict | None = None  # PrefixCache.stats() after the latest step
@@ -130,6 +132,11 @@ class EngineMetrics:
                      "Proposed tokens verified by the model (speculative decoding).", self.draft_proposed, scheme),
             *_metric("kvserve_speculative_accepted_tokens_total", "counter",
                      "Proposed tokens the model accepted.", self.draft_accepted, scheme),
+            *_by_label("kvserve_decode_steps_total", "Decode forwards by path: replayed from a capture "
+                       "(kvserve_decode_traces_total of them traced first) or built eagerly.", "path",
+                       self.decode_paths),
+            *_metric("kvserve_decode_traces_total", "counter",
+                     "Decode steps traced for capture (one per new batch shape).", self.decode_traces),
             *_by_label("kvserve_requests_finished_total", "Finished requests by finish reason.", "reason",
                        {r: self.finished[r] for r in ("stop", "length", "abort", "error", "timeout")}),
         ]

@@ -163,6 +163,7 @@ class ModelRunner:
         self.model = model
         # Decode steps captured per batch shape and replayed (the device profile's choice).
         self._captured = CapturedDecode(model) if captured else None
+        self.decode_paths = {"captured": 0, "eager": 0}  # decode forwards by how they were built
         # Speculative decoding: who proposes (prompt lookup or a draft model); None: off.
         self.speculation = Speculator(proposer) if proposer is not None else None
         if proposer is not None:  # recurrent layers verify position by position (recurrent.py)
@@ -286,6 +287,11 @@ class ModelRunner:
         """Bytes allocated by the KV caches of all live requests (batch padding included)."""
         batch = self._batch.nbytes if self._batch is not None else 0
         return batch + sum(cache.nbytes for cache in self._single.values())
+
+    @property
+    def decode_traces(self) -> int:
+        """Captured steps traced so far (each a new batch shape)."""
+        return self._captured.traces if self._captured is not None else 0
 
     @property
     def swapped_requests(self) -> int:
@@ -491,6 +497,7 @@ class ModelRunner:
         """One decode forward over the whole batch, sampled per row, evaluation started.
         ``ahead``: fed tokens not read yet, so constrained rows sample later (``complete``)."""
         logits = self._captured(tokens, self._batch) if self._captured is not None else None
+        self.decode_paths["eager" if logits is None else "captured"] += 1
         if logits is None:  # not captured: built here, operation by operation
             logits = self.model(tokens, cache=self._batch)[:, -1, :]  # (B, V)
         self._batch.maybe_convert()
