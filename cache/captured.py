@@ -43,11 +43,23 @@ class _SlotBuffer:
         self.parts, self.slot = list(parts), slot
 
     def append(self, parts: list[mx.array]) -> None:
-        self.parts = [mx.slice_update(dst, src.astype(dst.dtype), self.slot, axes=(2,))
-                      for dst, src in zip(self.parts, parts)]
+        self.parts = [write_slot(dst, src.astype(dst.dtype), self.slot) for dst, src in zip(self.parts, parts)]
 
     def views(self) -> list[mx.array]:
         return list(self.parts)
+
+
+def write_slot(dst: mx.array, src: mx.array, slot: mx.array) -> mx.array:
+    """``dst`` (B, H, capacity, W) with slot ``slot`` (an array) replaced by ``src`` (B, H, 1, W),
+    as a scatter: MLX's CUDA ``slice_update`` at an array offset launched a thread per slot of
+    the whole destination (0.77 ms per call for 268 MB of fp16 K, 49 of a 57 ms step at 16K,
+    H200), a scatter one per element written.
+
+        >>> write_slot(mx.zeros((1, 1, 4, 2)), mx.ones((1, 1, 1, 2)), mx.array(2))[0, 0, :, 0].tolist()
+        [0.0, 0.0, 1.0, 0.0]
+    """
+    at = mx.broadcast_to(slot.astype(mx.int32).reshape(1, 1, 1, 1), src.shape)
+    return mx.put_along_axis(dst, at, src, axis=2)
 
 
 class CapturedView:
