@@ -143,10 +143,11 @@ def test_one_row_past_the_score_bound_takes_the_blockwise_reference(monkeypatch)
 @pytest.mark.parametrize("L", [1, 3])
 def test_stale_slots_behind_a_mask_never_leak(L):
     """Slots a boolean mask hides (outside a window, padding) may hold anything, even inf:
-    the output equals the same call with those slots zeroed. At L = 3 a KV head's 6 rows
-    are weighted four at a time (``accumulate4``), which skips a slot all four rows hide."""
+    the output equals the same call with those slots zeroed. A KV head's 3 L rows are
+    weighted together (``accumulate_rows``: 3 at L = 1, then 4, 4 and 1 at L = 3), each row
+    keeping its sum where its p is 0."""
     fmt = RawFormat(64)
-    q = _rand((1, 4, L, 64), 1)
+    q = _rand((1, 6, L, 64), 1)
     k, v = _rand((1, 2, 20, 64), 2), _rand((1, 2, 20, 64), 3)
     hidden = mx.arange(20) < 6  # the first 6 slots hidden
     mask = ~hidden[None, None, None]
