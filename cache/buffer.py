@@ -4,17 +4,23 @@ A cache family encodes keys and values into one or more parts (raw K and V; or p
 words + scales + biases for each), all indexed by token along axis 2. ``GrowableBuffer``
 keeps them together: one ``size`` (slots written) and one ``capacity`` (slots allocated).
 
-Growth is geometric: when an append does not fit, every part is copied once into arrays of
-``max(2 * capacity, need rounded up to the granule)`` slots. Reaching 32,768 tokens one at a
-time from a 256-slot start takes 7 growths (256 -> 512 -> ... -> 32768), where a fixed
-256-slot step would take 127. Allocation is the first ``append``; it is not a growth.
+Growth is geometric up to ``MAX_GROWTH`` slots: when an append does not fit, every part is
+copied once into arrays of ``capacity + min(capacity, MAX_GROWTH)`` slots (or ``need`` rounded
+up to the granule, if larger). Reaching 32,768 tokens one at a time from a 256-slot start
+takes 11 growths (256 -> 512 -> ... -> 4096, then 4,096 at a time), where a fixed 256-slot
+step would take 127. The cap bounds what a long row holds beyond its tokens: doubling took
+a batch of 16K-token rows to 32K slots at its next step, twice the bytes ``--kv-memory``
+counted for them (the budget counts tokens), where now it takes them to 20K. Allocation is
+the first ``append``; it is not a growth.
 
     >>> next_capacity(256, 257, granule=256)
     512
     >>> next_capacity(512, 3000, granule=256)   # a prefill larger than twice the capacity
     3072
+    >>> next_capacity(16384, 16385, granule=256)
+    20480
     >>> growths_to_reach(32768, chunk=1, granule=256)
-    7
+    11
 
 The batch operations at the end (``take``, ``align``, ``concat_batch``, ``roll_rows``) are
 the storage half of the batch algebra (merge / filter / extend / finalize): they move
@@ -28,6 +34,9 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 DEFAULT_GRANULE = 256
+# Slots a growth adds at most (module doc). A row growing past it copies itself every 4,096
+# tokens it decodes; at 16K tokens that copy is a small share of the 4,096 steps' attention.
+MAX_GROWTH = 4096
 
 
 def round_up(n: int, granule: int) -> int:
@@ -52,8 +61,9 @@ def _kept(part: mx.array, runs: list[tuple[int, int]], drop_front: int) -> mx.ar
 
 
 def next_capacity(capacity: int, need: int, granule: int = DEFAULT_GRANULE) -> int:
-    """Capacity after a growth: double, or straight to ``need`` (granule-rounded) if larger."""
-    return max(2 * capacity, round_up(need, granule))
+    """Capacity after a growth: double up to ``MAX_GROWTH`` slots more, or straight to ``need``
+    (granule-rounded) if larger."""
+    return max(capacity + min(capacity, MAX_GROWTH), round_up(need, granule))
 
 
 def growths_to_reach(tokens: int, chunk: int = 1, granule: int = DEFAULT_GRANULE) -> int:

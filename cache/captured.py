@@ -143,7 +143,7 @@ def view(cls: type, scheme: KVScheme, parts: list[mx.array], slot: mx.array, sta
 def step_mask(starts: mx.array, slot: mx.array, capacity: int) -> mx.array:
     """(B, 1, 1, capacity) bool: slot j visible to row b iff starts[b] <= j <= slot. The GPU
     kernels know it by its spans (``note_row_spans``) and read no slot past ``slot``: after
-    the storage doubles, half of it lies there."""
+    the storage grows, up to 4,096 slots a row lie there."""
     from kvserve.kernels.cuda_layout import note_row_spans
 
     j = mx.arange(capacity, dtype=mx.int32)

@@ -10,8 +10,8 @@ What makes a step replayable is that nothing in it is a Python number that chang
 step to step. Each layer is traced over its storage at full capacity
 (``kvserve.cache.captured``): the write slot, the rows' first slots and so their positions
 and mask are arrays the step takes, so a step at slot 301 replays the trace made at slot
-300. A batch shape changes when rows join or leave and when the cache grows (doubling, so
-a few times over a long generation); each new one is traced once (warm-up covers the
+300. A batch shape changes when rows join or leave and when the cache grows (doubling up to
+4,096 slots at a time, so a few times over a long generation); each new one is traced once (warm-up covers the
 served batch sizes at the first capacity).
 
     step = CapturedDecode(model)
