@@ -14,6 +14,12 @@ inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 // A broadcast. (``v16f{} + x`` reads the same except for -0.0, and so cost an add per
 // broadcast in every hot loop: the compiler may not drop 0 + x.)
 inline v16f splat(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+// Whether any lane of a comparison's mask is set.
+inline bool any_lane(v16i m) {
+  uint64_t w[8];
+  std::memcpy(w, &m, sizeof w);
+  return (w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) != 0;
+}
 
 // exp(x) for x clamped to [-87, 88], to about 2 ulp: 2^n * p(r) with |r| <= ln2/2 and a
 // degree-6 polynomial.

@@ -145,11 +145,12 @@ def test_stale_slots_behind_a_mask_never_leak(L):
     """Slots a boolean mask hides (outside a window, padding) may hold anything, even inf:
     the output equals the same call with those slots zeroed. A KV head's 3 L rows are
     weighted together (``accumulate_rows``: 3 at L = 1, then 4, 4 and 1 at L = 3), each row
-    keeping its sum where its p is 0."""
+    keeping its sum where its p is 0, and the first 16 slots, which every row hides, skipped
+    whole."""
     fmt = RawFormat(64)
     q = _rand((1, 6, L, 64), 1)
-    k, v = _rand((1, 2, 20, 64), 2), _rand((1, 2, 20, 64), 3)
-    hidden = mx.arange(20) < 6  # the first 6 slots hidden
+    k, v = _rand((1, 2, 40, 64), 2), _rand((1, 2, 40, 64), 3)
+    hidden = mx.arange(40) < 22  # the first 22 slots hidden: one whole block of 16, then 6
     mask = ~hidden[None, None, None]
     stale = lambda x: mx.where(hidden[None, None, :, None], mx.array(float("inf")), x)  # noqa: E731
     clean = lambda x: mx.where(hidden[None, None, :, None], 0.0, x)  # noqa: E731
