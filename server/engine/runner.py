@@ -54,7 +54,7 @@ from kvserve.server.engine.grammar import Grammars
 from kvserve.server.engine.heap import heap_stats
 from kvserve.server.engine.request import Request
 from kvserve.server.engine.sampler import Draw, Pick, RequestSampler, agreed, draw_rows, sample_rows
-from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult
+from kvserve.server.engine.scheduler import PrefillChunk, StepPlan, StepResult, group_whole_prompts
 from kvserve.server.engine.speculation import Proposer, Speculator
 from kvserve.server.engine.warmup import is_warmup
 
@@ -66,35 +66,6 @@ log = logging.getLogger(__name__)
 # quantized matmuls), and decoding reads the scheme. Prompts longer than this convert once
 # they reach it, which bounds the raw copy.
 RAW_PREFILL_TOKENS = 2048
-
-# Whole prompts prefill together while the padding this adds stays below this share of
-# their tokens (padding is computed and thrown away).
-MAX_PADDING_SHARE = 0.25
-
-
-def group_whole_prompts(chunks: tuple[PrefillChunk, ...]) -> tuple[list[PrefillChunk], list[PrefillChunk]]:
-    """Split a step's chunks into prompts prefilled together and the rest.
-
-    Together: whole prompts from their first token, without forks, longest first, as long
-    as the left padding stays under ``MAX_PADDING_SHARE`` of their tokens; at least two.
-
-        >>> from kvserve.server.engine.request import Request, SamplingParams
-        >>> cs = [PrefillChunk(Request(list(range(n)), SamplingParams()), n) for n in (10, 9, 2)]
-        >>> [[c.num_tokens for c in g] for g in group_whole_prompts(tuple(cs))]
-        [[10, 9], [2]]
-    """
-    whole = sorted((c for c in chunks if c.request.num_computed == 0 and c.completes_prompt
-                    and not c.request.forks), key=lambda c: -c.num_tokens)
-    together: list[PrefillChunk] = []
-    for c in whole:
-        tokens = sum(x.num_tokens for x in together) + c.num_tokens
-        padding = (len(together) + 1) * (whole[0].num_tokens) - tokens
-        if padding <= MAX_PADDING_SHARE * tokens:
-            together.append(c)
-    if len(together) < 2:
-        return [], list(chunks)
-    return together, [c for c in chunks if c not in together]
-
 
 @dataclass(frozen=True)
 class DecodeStep:

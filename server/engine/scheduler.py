@@ -282,3 +282,32 @@ class Scheduler:
         if r.swapped:
             return r.num_cached
         return r.num_cached + r.prefill_remaining * (1 + len(r.forks))
+
+
+# Whole prompts prefill together while the padding this adds stays below this share of
+# their tokens (padding is computed and thrown away).
+MAX_PADDING_SHARE = 0.25
+
+
+def group_whole_prompts(chunks: tuple[PrefillChunk, ...]) -> tuple[list[PrefillChunk], list[PrefillChunk]]:
+    """Split a step's chunks into prompts prefilled together and the rest.
+
+    Together: whole prompts from their first token, without forks, longest first, as long
+    as the left padding stays under ``MAX_PADDING_SHARE`` of their tokens; at least two.
+
+        >>> from kvserve.server.engine.request import Request, SamplingParams
+        >>> cs = [PrefillChunk(Request(list(range(n)), SamplingParams()), n) for n in (10, 9, 2)]
+        >>> [[c.num_tokens for c in g] for g in group_whole_prompts(tuple(cs))]
+        [[10, 9], [2]]
+    """
+    whole = sorted((c for c in chunks if c.request.num_computed == 0 and c.completes_prompt
+                    and not c.request.forks), key=lambda c: -c.num_tokens)
+    together: list[PrefillChunk] = []
+    for c in whole:
+        tokens = sum(x.num_tokens for x in together) + c.num_tokens
+        padding = (len(together) + 1) * (whole[0].num_tokens) - tokens
+        if padding <= MAX_PADDING_SHARE * tokens:
+            together.append(c)
+    if len(together) < 2:
+        return [], list(chunks)
+    return together, [c for c in chunks if c not in together]
