@@ -19,6 +19,7 @@ Reported per scheme and loop: median step ms over the last 3/4 of ``--steps``, o
 tokens/s, and the K/V GiB the batch cache holds.
 
     python bench/gpu_decode.py --schemes fp16,affine4,turbo0v4 --context 16384 --batch 8
+    python bench/gpu_decode.py --model default --context 300 --ragged 13 --captured on --profile 12
 """
 
 from __future__ import annotations
@@ -109,10 +110,11 @@ def batch_cache(model, scheme: str, batch: int, context: int):
 
 
 def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
-                 profile: int = 0, captured: bool = False) -> tuple[list[float], float]:
+                 profile: int = 0, captured: bool = False, ragged: int = 0) -> tuple[list[float], float]:
     """Seconds of the engine's first ``steps`` decode-only steps over all ``batch`` rows,
     and the GiB its caches hold then; ``profile`` (N > 0): then prints ``device_split`` of a
-    few more steps, with the N kernels that took most of them."""
+    few more steps, with the N kernels that took most of them. ``ragged``: row i's prompt
+    is ``i * ragged`` tokens shorter, so the batch is left-padded as a served one is."""
     import mlx.core as mx
     from kvserve.cache import parse_scheme
     from kvserve.cache.prefix import Namespace, PrefixCache
@@ -125,7 +127,7 @@ def engine_steps(model, scheme: str, batch: int, context: int, steps: int,
     prefix = PrefixCache(Namespace("bench", "bench", scheme), ram_bytes=1 << 40)
     requests = []
     for row in range(batch):
-        tokens = prompt(row, context, vocab_size(model))
+        tokens = prompt(row, context - row * ragged, vocab_size(model))
         prefix.insert(tokens[0].tolist(), row_cache(model, scheme, tokens))
         # Never ends by itself: timing stops after ``steps`` steps with every row decoding.
         requests.append(Request(tokens[0].tolist(), SamplingParams(max_tokens=1 << 20, temperature=0.0)))
@@ -239,6 +241,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", nargs="?", type=int, const=6, default=0, metavar="TOP",
                    help="after each loop, its kernels' device time per step and the TOP kernels "
                         "that take most of it, with their launches per step (CUPTI, needs PyTorch)")
+    p.add_argument("--ragged", type=int, default=0, metavar="N",
+                   help="engine loops: row i's prompt N * i tokens shorter (a left-padded batch)")
     p.add_argument("--rewrites", default="profile",
                    help="model rewrites: 'profile' (the device profile's), 'none', or names with commas")
     args = p.parse_args(argv)
@@ -259,7 +263,8 @@ def main(argv=None) -> int:
     print("| scheme | loop | step ms (median) | output tok/s | K/V GiB |\n|---|---|---|---|---|")
     for scheme in args.schemes.split(","):
         for captured in captured_modes(args.captured):
-            times, kv = engine_steps(model, scheme, args.batch, args.context, args.steps, args.profile, captured)
+            times, kv = engine_steps(model, scheme, args.batch, args.context, args.steps, args.profile, captured,
+                                     args.ragged)
             report(scheme, "engine, captured" if captured else "engine", times, args.batch, kv)
         cache = batch_cache(model, scheme, args.batch, args.context)
         times = time_steps(model, cache, args.batch, args.steps)

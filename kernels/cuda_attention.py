@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from kvserve.kernels.cuda_programs import cuda_kernel
 from kvserve.kernels.cuda_source import (
     HEADER,
     merge_body,
@@ -130,7 +131,7 @@ def _split_kernel(key: Layout, value: Layout, mask: int):
     # a digest of the source and argument names; the template, shapes and dtypes.
     tag = f"{key.kind}{key.bits}g{key.group}_{value.kind}{value.bits}g{value.group}_m{mask}"
     source = split_source(key, value, mask)
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=kernel_name(f"kvs_attn_split_{tag}", HEADER, source, *names),
         input_names=names, output_names=["o_part", "ml_part"],
         source=source, header=HEADER, ensure_row_contiguous=False)
@@ -152,7 +153,7 @@ def _mma_kernel(key: Layout, value: Layout, mask: int, kfast: bool, vfast: bool,
              for k, v in consts]
     source = "\n".join(lines) + "\n" + mma_source(key, value, mask, kfast, vfast)
     header = HEADER + MMA_HEADER
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=kernel_name(f"kvs_attn_mma_{tag}", header, source, *names),
         input_names=names, output_names=["o_part", "ml_part"],
         source=source, header=header, ensure_row_contiguous=False)
@@ -165,7 +166,7 @@ _C_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "flo
 @functools.cache
 def _merge_kernel(sinks: bool = False):
     body = merge_body(sinks)
-    return mx.fast.cuda_kernel(name=kernel_name("kvs_attn_merge", body),
+    return cuda_kernel(name=kernel_name("kvs_attn_merge", body),
                                input_names=["o_part", "ml_part", *(["sink_rows"] if sinks else [])],
                                output_names=["out"], source=body)
 
@@ -181,7 +182,7 @@ def _scalar(x: float) -> mx.array:
 
 @functools.cache
 def _rotate_kernel():
-    return mx.fast.cuda_kernel(name=kernel_name("kvs_rotate", ROTATE_BODY), input_names=["x", "m"],
+    return cuda_kernel(name=kernel_name("kvs_rotate", ROTATE_BODY), input_names=["x", "m"],
                                output_names=["out"], source=ROTATE_BODY)
 
 

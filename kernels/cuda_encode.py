@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+from kvserve.kernels.cuda_programs import cuda_kernel
 from kvserve.kernels.cuda_layout import kernel_name, on_cuda
 
 HEAD_DIMS = (64, 128, 256)
@@ -88,7 +89,7 @@ def serves(x: mx.array, pi: mx.array, bits: int) -> bool:
 def _kernel(D: int, bits: int, eps: float):
     body = (ENCODE_BODY.replace("DIM", str(D)).replace("NBITS", str(bits))
             .replace("EPS", f"{eps!r}f"))
-    return mx.fast.cuda_kernel(name=kernel_name(f"kvs_turbo_encode_{D}_{bits}", body),
+    return cuda_kernel(name=kernel_name(f"kvs_turbo_encode_{D}_{bits}", body),
                                input_names=["x", "pi", "boundaries"], output_names=["packed", "norms"],
                                source=body, header=HEADER)
 

@@ -197,12 +197,12 @@ def on_cuda() -> bool:
 def kernel_name(base: str, *texts: str) -> str:
     """``base`` plus a digest of the kernel's source text.
 
-    MLX knows a compiled kernel by its name and template arguments only, in the process
-    and in its on-disk PTX cache (``$TMPDIR/mlx/<version>/ptx/<name>.ptx``, shared by every
-    process of one MLX version and never invalidated). A name without the digest would load
-    whatever binary an earlier process built under it, from whatever source that process
-    had: different argument lists and indexing, hence out-of-bounds accesses. With the digest
-    a changed source is a new name.
+    MLX has known a compiled kernel by its name and template arguments only: earlier
+    releases kept custom kernels in an on-disk PTX cache shared by every process of one MLX
+    version and never invalidated (0.32 keeps them in memory, ``cuda_programs``). A name
+    without the digest would load whatever binary an earlier process built under it, from
+    whatever source that process had: different argument lists and indexing, hence
+    out-of-bounds accesses. With the digest a changed source is a new name.
 
         >>> kernel_name("k", "a") != kernel_name("k", "b")
         True

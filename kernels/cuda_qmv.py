@@ -53,6 +53,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+from kvserve.kernels.cuda_programs import cuda_kernel
 
 from kvserve.kernels.cuda_layout import kernel_name, on_cuda
 from kvserve.kernels.cuda_mma_header import MMA_HEADER
@@ -221,7 +222,7 @@ def serves_rows(x: mx.array, scales: mx.array, weights: int) -> bool:
 def _kernel(bits: int, group_size: int, split: int, tiles: int):
     body = (BODY.replace("NBITS", str(bits)).replace("GROUP", str(group_size))
             .replace("SPLIT", str(split)).replace("TILES", str(tiles)))
-    return mx.fast.cuda_kernel(name=kernel_name(f"kvs_qmv_mma_{bits}_{group_size}_{split}_{tiles}", HEADER, body),
+    return cuda_kernel(name=kernel_name(f"kvs_qmv_mma_{bits}_{group_size}_{split}_{tiles}", HEADER, body),
                                input_names=["x", "w", "scales", "biases"], output_names=["y"],
                                source=body, header=HEADER)
 

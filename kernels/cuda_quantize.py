@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+from kvserve.kernels.cuda_programs import cuda_kernel
 from kvserve.kernels.cuda_attention import cuda_ready
 from kvserve.kernels.cuda_layout import kernel_name
 
@@ -108,7 +109,7 @@ def serves(keys: mx.array, values: mx.array, bits: int, group: int) -> bool:
 def _kernel(D: int, bits: int, group: int, dtype: mx.Dtype):
     body = (ENCODE_BODY.replace("DIM", str(D)).replace("NBITS", str(bits)).replace("GROUP", str(group))
             .replace("OUT_T", _C_TYPES[dtype]))
-    return mx.fast.cuda_kernel(name=kernel_name(f"kvs_affine_encode_{D}_{bits}_{group}", HEADER, body),
+    return cuda_kernel(name=kernel_name(f"kvs_affine_encode_{D}_{bits}_{group}", HEADER, body),
                                input_names=["k", "v"], output_names=["codes", "side"],
                                source=body, header=HEADER, ensure_row_contiguous=False)
 

@@ -350,6 +350,7 @@ def test_metrics_in_prometheus_text_format(server, client, model_id):
              - before[f'kvserve_decode_steps_total{{path="{path}"}}'] for path in ("captured", "eager")}
     assert sum(steps.values()) in (6, 7) and (steps["captured"] > 0) is on_gpu()
     assert (after["kvserve_decode_traces_total"] > 0) is on_gpu()
+    assert after["kvserve_kernel_programs_compiled_total"] == 0  # the warm-up compiled them (on a GPU)
     assert after["kvserve_prompt_tokens_total"] > before["kvserve_prompt_tokens_total"]
     assert after['kvserve_kv_cache_bytes{kv_scheme="fp16"}'] == 0  # idle again
     assert after["kvserve_requests_running"] == after["kvserve_requests_waiting"] == 0

@@ -4,13 +4,16 @@ that serves a batch to itself before it says ready, then answers as a cold one."
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 
+import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
 from kvserve.cache import parse_scheme
 from kvserve.configs import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from kvserve.kernels import cuda_programs
 from kvserve.server.engine.device import CPU_REWRITES, profile_for
 from kvserve.server.engine.projections import ProjectionPart
 from kvserve.server.engine.fastpath import TableRoPE
@@ -103,7 +106,7 @@ def _greedy(engine: Engine, prompt: list[int]) -> list[int]:
             return tokens
 
 
-def test_a_warmed_up_engine_keeps_nothing_and_answers_as_a_cold_one(tiny_model_dir, tmp_path):
+def test_a_warmed_up_engine_keeps_nothing_and_answers_as_a_cold_one(tiny_model_dir, tmp_path, caplog):
     """The warm-up decodes at every batch size from the full batch down to one; afterwards
     no request, KV byte, prefix entry or metric remains of it, and a request's greedy
     tokens are those of an engine that never warmed up."""
@@ -119,6 +122,15 @@ def test_a_warmed_up_engine_keeps_nothing_and_answers_as_a_cold_one(tiny_model_d
         prompt = list(range(100, 140))
         assert _greedy(warm, prompt) == _greedy(cold, prompt)
         assert warm.metrics.generated_tokens == 6
+        assert sum(warm.metrics.decode_paths.values()) in (5, 6)  # tokens 2-6 (one more queued ahead)
+        # A kernel program compiled after the warm-up is counted and named (on a GPU, one the
+        # warm-up missed; on this CPU, one noted by hand).
+        assert warm.metrics.kernel_programs == 0
+        cuda_programs.note("kvs_late_test", None, [mx.zeros((1,), mx.int32)], [mx.float32])
+        with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+            _greedy(warm, prompt)
+        assert warm.metrics.kernel_programs == 1
+        assert "kernel program compiled while serving: kvs_late_test (int32) -> (float32)" in caplog.text
     finally:
         warm.stop(30)
         cold.stop(30)
@@ -127,19 +139,21 @@ def test_a_warmed_up_engine_keeps_nothing_and_answers_as_a_cold_one(tiny_model_d
 @pytest.mark.parametrize("scheme, fmt", [("affine4", "QuantizedFormat"), ("fp16", "RawFormat")])
 def test_the_warm_up_runs_chunks_over_k_v_already_in_the_scheme(default_model_dir, tmp_path, monkeypatch, scheme, fmt):
     """The warm-up's own prompts attend over their raw prefill only; a question after a
-    cached prefix attends over the scheme's stored K/V with a causal mask. The warm-up runs
-    that too, at 2 and 9 queries (one query-row tile and more), on every layer."""
+    cached prefix attends over the scheme's stored K/V with a causal mask, and a prompt
+    found whole but its last token with none. The warm-up runs those too, at 1, 2 and 9
+    queries (one query-row tile and more), on every layer."""
     from kvserve.kernels import dispatch
 
     seen, attend = [], dispatch.attend
     monkeypatch.setattr(dispatch, "attend", lambda q, kf, *a, **k: seen.append((type(kf).__name__, q.shape[2], a[4]))
-                        or attend(q, kf, *a, **k))
+                        or attend(q, kf, *a, **k) if q.shape[0] == 1 else attend(q, kf, *a, **k))
     loaded = load_model(ModelConfig(model=str(default_model_dir), cache_dir=str(tmp_path)),
                         parse_scheme(scheme), "test", device=profile_for("cpu"))
-    assert loaded.runner.warm_stored_chunks(list(range(5, 21))) == 2
+    assert loaded.runner.warm_stored_chunks(list(range(5, 21))) == 3
     layers = len(loaded.runner.model.layers)
-    chunks = collections.Counter(call for call in seen if call[1] in (2, 9))
-    assert set(chunks) == {(fmt, 2, "causal"), (fmt, 9, "causal")} and min(chunks.values()) >= layers
+    chunks = collections.Counter(call for call in seen if call[1] in (1, 2, 9))
+    assert set(chunks) == {(fmt, 1, None), (fmt, 2, "causal"), (fmt, 9, "causal")}
+    assert min(chunks.values()) >= layers
     assert loaded.runner.kv_bytes == 0
 
 
@@ -154,12 +168,15 @@ def test_no_served_request_waits_on_a_kernel_compile(default_model_dir, tmp_path
     """The default model on a GPU, in fp16 and affine4, each with an empty kernel folder: the
     warm-up compiles what the server will call (the folder fills before /health says ready),
     and a burst of requests afterwards (8 at once of different lengths, greedy and sampled,
-    with logprobs, then one alone) compiles nothing more. The two servers start together:
+    with logprobs, then one alone) compiles nothing more: no kernel file, and none of
+    kvserve's kernel programs (``kvserve.kernels.cuda_programs``, in memory only). The two servers start together:
     each cold warm-up takes minutes of compiling on one CPU core."""
     import httpx
 
     from servers import ServerProcess
     from together import together
+
+    from kvserve.bench.soak import metrics
 
     folders = {scheme: tmp_path / scheme / "kernels" for scheme in ("fp16", "affine4")}
     procs = {scheme: ServerProcess(default_model_dir, "--kv-scheme", scheme, "--cache-dir", str(tmp_path / scheme),
@@ -181,6 +198,9 @@ def test_no_served_request_waits_on_a_kernel_compile(default_model_dir, tmp_path
             assert [r.status_code for r in replies] == [200] * 9
             late = sorted({p.name for p in folders[scheme].iterdir()} - set(compiled))
             assert not late, f"{scheme} compiled while serving: {late}"
+            # kvserve's own kernels compile in memory only: the engine counts and names them.
+            named = [line for line in proc.output().splitlines() if "compiled while serving" in line]
+            assert metrics(proc.base_url)["kvserve_kernel_programs_compiled_total"] == 0, named
     finally:
         for proc in procs.values():
             assert proc.stop() == 0, proc.output()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvserve.configs import EngineConfig
+from kvserve.kernels import cuda_programs
 from kvserve.server.engine.device import PREFILL_STEP
 from kvserve.server.engine.kv_memory import KVBudget, kv_budget
 from kvserve.server.engine.metrics import EngineMetrics
@@ -92,6 +93,7 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self.metrics = EngineMetrics(kv_scheme="")  # named once the model (and scheme) loaded
         self.warmup: WarmupReport | None = None  # what the warm-up ran, where the device has one
+        self._programs: int | None = None  # kernel programs compiled when serving began
 
     # ---- called from other threads -------------------------------------------------
     def start(self) -> LoadedModel:
@@ -178,6 +180,7 @@ class Engine:
                 self.model.device.prefill_step_size)
         if self.model.device is not None and self.model.device.warmup:
             self._warm_up()
+        self._programs = cuda_programs.compiled()  # from here on, each new one stalls a request
         self.metrics.kv_budget_bytes = self.kv_budget.bytes
         self.metrics.kv_scheme = self.model.info.kv_scheme
         self.metrics.memory = self.model.runner.memory
@@ -232,6 +235,7 @@ class Engine:
 
         device = self.model.device
         report, kernels, started = WarmupReport(), kernel_files(device), time.monotonic()
+        programs = cuda_programs.compiled()
         errors: list[str] = []
         tokens = warmup_tokens(self.model.tokenizer)
         for request in warmup_requests(self.scheduler.max_running, self.scheduler.prefill_step_size,
@@ -247,9 +251,11 @@ class Engine:
                     report.batch_sizes.add(len(plan.decode))
         report.prefill_chunks += self.model.runner.warm_stored_chunks(tokens)
         report.seconds, report.compiled = time.monotonic() - started, kernel_files(device) - kernels
+        report.programs = cuda_programs.compiled() - programs
         report.error = errors[0] if errors else ""
         self.warmup = report
         self.metrics = EngineMetrics(kv_scheme="")
+        self.model.runner.restart_counts()
         (log.error if report.error else log.info)("%s", report.describe())
 
     def _go_down(self, reason: str) -> None:
@@ -388,6 +394,16 @@ class Engine:
         m.decode_paths, m.decode_traces = dict(runner.decode_paths), runner.decode_traces
         if runner.prefix is not None:
             m.prefix = runner.prefix.stats()
+        self._note_programs()
+
+    def _note_programs(self) -> None:
+        """Name each kernel program compiled since the warm-up (a request waited on it)."""
+        if self._programs is None or cuda_programs.compiled() == self._programs:
+            return
+        for key in cuda_programs.since(self._programs):
+            log.warning("kernel program compiled while serving: %s", cuda_programs.describe(key))
+        self.metrics.kernel_programs += cuda_programs.compiled() - self._programs
+        self._programs = cuda_programs.compiled()
 
     def _observe_idle(self) -> None:
         if self.metrics.running or self.metrics.kv_bytes:

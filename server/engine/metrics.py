@@ -99,6 +99,7 @@ class EngineMetrics:
         self.swapped = 0
         self.decode_paths = {"captured": 0, "eager": 0}  # decode forwards by path (ModelRunner)
         self.decode_traces = 0
+        self.kernel_programs = 0  # kvserve kernel programs compiled after the warm-up
         # ModelRunner.memory, read at each render: allocator counters need no engine step.
         self.memory: Callable[[], dict[str, int]] = dict
         self.prefix: dict | None = None  # PrefixCache.stats() after the latest step
@@ -137,6 +138,9 @@ class EngineMetrics:
                        self.decode_paths),
             *_metric("kvserve_decode_traces_total", "counter",
                      "Decode steps traced for capture (one per new batch shape).", self.decode_traces),
+            *_metric("kvserve_kernel_programs_compiled_total", "counter",
+                     "kvserve's CUDA kernel programs compiled after the warm-up (a request waits on each).",
+                     self.kernel_programs),
             *_by_label("kvserve_requests_finished_total", "Finished requests by finish reason.", "reason",
                        {r: self.finished[r] for r in ("stop", "length", "abort", "error", "timeout")}),
         ]

@@ -264,6 +264,13 @@ class ModelRunner:
         """Captured steps traced so far (each a new batch shape)."""
         return self._captured.traces if self._captured is not None else 0
 
+    def restart_counts(self) -> None:
+        """Count decode forwards and traces from zero again: after the warm-up, whose steps
+        the metrics leave out."""
+        self.decode_paths = {"captured": 0, "eager": 0}
+        if self._captured is not None:
+            self._captured.traces = self._captured.replays = 0
+
     @property
     def swapped_requests(self) -> int:
         return len(self._swapped)

@@ -28,13 +28,15 @@ WARMUP_PREFIX = "warmup-"
 
 @dataclass
 class WarmupReport:
-    """What the warm-up ran: decode batch sizes seen, steps, seconds, kernel files compiled."""
+    """What the warm-up ran: decode batch sizes seen, steps, seconds, kernel files and
+    kvserve kernel programs compiled (``kvserve.kernels.cuda_programs``)."""
 
     batch_sizes: set[int] = field(default_factory=set)
     prefill_chunks: int = 0
     steps: int = 0
     seconds: float = 0.0
     compiled: int = 0  # kernel files the device's cache folder gained
+    programs: int = 0  # kvserve's kernel programs compiled (in memory only, every process)
     error: str = ""
 
     def describe(self) -> str:
@@ -42,7 +44,8 @@ class WarmupReport:
         span = f"{sizes[0]}-{sizes[-1]}" if sizes else "none"
         failed = f"; failed: {self.error}" if self.error else ""
         return (f"warm-up: {self.steps} steps, {self.prefill_chunks} prompt chunks, decode batch sizes {span}, "
-                f"{self.compiled} kernel files compiled, {self.seconds:.1f} s{failed}")
+                f"{self.compiled} kernel files and {self.programs} kernel programs compiled, "
+                f"{self.seconds:.1f} s{failed}")
 
 
 def warmup_requests(batch: int, prefill_step_size: int, tokens: list[int], context: int = 0,
@@ -75,19 +78,24 @@ def warmup_requests(batch: int, prefill_step_size: int, tokens: list[int], conte
 def chunks_over_stored(model, cache, tokens: list[int]) -> int:
     """Prompt chunks over K/V already in the scheme (a question after a cached prefix),
     which the warm-up's requests never run (their chunks attend over the raw prefill): into
-    ``cache`` (a new B = 1 cache of the model), ``tokens``, converted to the scheme, then one
-    chunk of 2 and one of 9 tokens, so the attention kernels for a chunk's causal mask are
-    compiled, in both query-row tilings, before any request needs them. Returns the chunks
-    run. A chunk of 2 tokens is 2 x (query heads per KV head) rows, 8 or fewer where a KV
-    head serves up to 4 query heads (one row tile); 9 tokens are always more."""
+    ``cache`` (a new B = 1 cache of the model), ``tokens``, converted to the scheme, then
+    chunks of 1, 2 and 9 tokens, so the attention kernels for them are compiled before any
+    request needs them. Returns the chunks run. One token is a prompt found whole in the
+    prefix cache but its last token, whose chunk has no mask (a program of its own: a
+    request repeated on an H200 waited about a second for it); 2 tokens are 2 x (query
+    heads per KV head) rows under a causal mask, 8 or fewer where a KV head serves up to 4
+    query heads (one row tile); 9 tokens are always more."""
     import mlx.core as mx  # here: the scheduler imports this module without MLX
 
     model(mx.array(tokens)[None], cache=cache)
     cache.convert()
     cache.quantize_after = 0
-    for n in (2, 9):
+    for n in CHUNKS_OVER_STORED:
         mx.eval(model(mx.array((tokens * n)[:n])[None], cache=cache))
-    return 2
+    return len(CHUNKS_OVER_STORED)
+
+
+CHUNKS_OVER_STORED = (1, 2, 9)  # tokens of each warm-up chunk over stored K/V
 
 
 def is_warmup(request_id: str) -> bool:
