@@ -12,6 +12,7 @@ engine knows whether it did.
 program's key (``note``); ``compiled()`` counts the keys, ``since(n)`` lists those after
 the first ``n``.
 
+    >>> import mlx.core as mx
     >>> before = compiled()
     >>> note("kvs_demo", [("T", mx.float16)], [mx.ones((2,), mx.float16)], [mx.float32])
     True
@@ -28,14 +29,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import mlx.core as mx
-
+# MLX is imported where a kernel is made: the engine loop, which imports this module, must
+# import without MLX (an HTTP front end does).
 _programs: list[tuple] = []
 _seen: set[tuple] = set()
 
 
-def note(name: str, template: Sequence[tuple[str, Any]] | None, inputs: Sequence[mx.array],
-         output_dtypes: Sequence[mx.Dtype]) -> bool:
+def note(name: str, template: Sequence[tuple[str, Any]] | None, inputs: Sequence[Any],
+         output_dtypes: Sequence[Any]) -> bool:
     """Record the program a call of kernel ``name`` needs; True where it is new to this
     process (MLX compiles it for this call). Shapes do not make programs; dtypes do."""
     key = (name, tuple(template or ()), tuple(a.dtype for a in inputs), tuple(output_dtypes))
@@ -60,7 +61,7 @@ def describe(key: tuple) -> str:
     """A program's key as a log line reads it: name, template, input and output dtypes."""
     name, template, ins, outs = key
     dt = lambda d: str(d).removeprefix("mlx.core.")  # noqa: E731
-    args = " ".join(f"{k}={dt(v) if isinstance(v, mx.Dtype) else v}" for k, v in template)
+    args = " ".join(f"{k}={dt(v)}" for k, v in template)
     return f"{name}{' ' + args if args else ''} ({', '.join(map(dt, ins))}) -> ({', '.join(map(dt, outs))})"
 
 
@@ -70,10 +71,12 @@ class CudaKernel:
     __slots__ = ("name", "_kernel")
 
     def __init__(self, name: str, **spec: Any):
+        import mlx.core as mx
+
         self.name = name
         self._kernel = mx.fast.cuda_kernel(name=name, **spec)
 
-    def __call__(self, *, inputs: list[mx.array], output_dtypes: list[mx.Dtype], **call: Any) -> list[mx.array]:
+    def __call__(self, *, inputs: list[Any], output_dtypes: list[Any], **call: Any) -> list[Any]:
         note(self.name, call.get("template"), inputs, output_dtypes)
         return self._kernel(inputs=inputs, output_dtypes=output_dtypes, **call)
 
