@@ -59,6 +59,32 @@ def component_bits(fmt) -> int:
     return 0 if fmt.kind == "fp16" else fmt.bits
 
 
+class SharedEncoding:
+    """The compressed form of a prefix that several requests restore raw from one prefix-cache
+    entry (a shared document), encoded by the first of them to compress and copied by the
+    rest instead of encoding it again.
+
+    Exact only where each token is encoded on its own (raw or affine keys, TurboQuant
+    values): calibrated turbo keys take their scale from every token stored, so those caches
+    never share (``_TurboMixin.shares``). An entry passes ``(encoding, k)`` on: its first k
+    tokens are the tokens the encoding was made from (``TurboKVCache.encoding_share``).
+    ``parts``: the compressed-phase parts of the first ``size`` tokens (None for raw keys,
+    which each copy holds as they are stored compressed), or None until a request
+    compresses. Its bytes (36 a token and KV head of 64 dims for turbo0v4 values: a tenth of
+    the raw entry's on a CPU, a seventh on a GPU; a quarter for turbo8v3) are not counted in the
+    prefix cache's RAM budget: one per shared prefix, freed with the last entry or request
+    that holds it."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[mx.array] | None = None
+
+    @property
+    def size(self) -> int:
+        return 0 if self.parts is None else self.parts[-1].shape[2]
+
+
 class _TurboMixin:
     """Phase, encoding, compression, attention and state shared by both turbo caches."""
 
@@ -73,6 +99,13 @@ class _TurboMixin:
         self.phase = RAW
         self.key_scale: mx.array | None = None  # (B, 1, 1, D_k) f32, turbo keys only
         self._dims: tuple[int, int] | None = None  # (D_k, D_v), known from the first update
+        # (encoding, k): the first k stored tokens are those ``encoding`` is (to be) made from.
+        self._shared: tuple[SharedEncoding, int] | None = None
+
+    @property
+    def shares(self) -> bool:
+        """Whether encodings of this scheme can be shared: no key calibration."""
+        return self.scheme.keys.kind != "turbo"
 
     def _set_dims(self, dk: int, dv: int) -> None:
         if self._dims is None:
@@ -139,7 +172,8 @@ class _TurboMixin:
             scale = self._calibration(rotated[0], self._valid_slots())
         B, H, T, D = keys.shape
         buf, step = GrowableBuffer(self._buf.granule), max(1, ENCODE_CHUNK // (B * H * D))
-        for a in range(0, T, step):
+        start = self._copy_shared(buf, T + reserve)
+        for a in range(start, T, step):
             if rotated is not None:
                 kparts = self._kf.codec.encode_unit(*(r[:, :, a:a + step] for r in rotated), scale)
             else:
@@ -148,7 +182,34 @@ class _TurboMixin:
             buf.reserve(parts, T + reserve)
             buf.append(parts)
             mx.eval(buf.parts)
+        self._fill_shared(buf)
         return buf, scale
+
+    def _copy_shared(self, buf: GrowableBuffer, capacity: int) -> int:
+        """Put the shared encoding of this cache's first tokens into ``buf``; returns how
+        many tokens it holds (0: none is shared, or none is made yet). Raw keys are this
+        cache's own: they are stored as compressed from the first chunk."""
+        if self._shared is None:
+            return 0
+        encoding, k = self._shared
+        n = min(k, encoding.size)
+        if n:
+            own = self._buf.views()
+            parts = [(own[0] if p is None else p)[:, :, :n] for p in encoding.parts]
+            buf.reserve(parts, capacity)
+            buf.append(parts)
+        return n
+
+    def _fill_shared(self, buf: GrowableBuffer) -> None:
+        """The first to compress makes the shared encoding: copies of its first k tokens'
+        encoded parts (the buffer's own storage grows in place, so it is not handed out);
+        raw keys stay None, each copy holds them already."""
+        if self._shared is not None and self._shared[0].parts is None and self._shared[1]:
+            encoding, k = self._shared
+            raw_keys = isinstance(self._kf, RawFormat)
+            encoding.parts = [None if raw_keys and i == 0 else mx.array(v[:, :, :k])
+                              for i, v in enumerate(buf.views())]
+            mx.eval([p for p in encoding.parts if p is not None])
 
     def _compressed_state(self) -> tuple[mx.array, ...]:
         """The state this cache would have once compressed (nothing is changed)."""
@@ -162,7 +223,7 @@ class _TurboMixin:
             return
         buf, self.key_scale = self._compressed(reserve)
         self._buf = buf if buf is not None else GrowableBuffer(self._buf.granule)
-        self.phase = COMPRESSED
+        self.phase, self._shared = COMPRESSED, None
 
     def begin_decode(self) -> None:
         """Compress now: a verify chunk of several tokens would otherwise keep the raw
@@ -273,6 +334,24 @@ class TurboKVCache(_TurboMixin, StoredKVCache):
         cache = cls(scheme)
         cache._load(state, meta, int(meta.get("offset", 0)))
         return cache
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        if self._shared is not None:  # tokens appended after this are no longer the shared ones
+            self._shared = (self._shared[0], min(self._shared[1], self.offset))
+        return n
+
+    def encoding_share(self) -> tuple[SharedEncoding, int] | None:
+        """For a prefix-cache entry of this raw prompt: the encoding its restored copies
+        share, with how many of its first tokens it covers (this cache's own share where it
+        was restored with one, else a new encoding of all it holds)."""
+        if self.phase != RAW or not self.shares or not self.offset:
+            return None
+        return self._shared if self._shared is not None else (SharedEncoding(), self.offset)
+
+    def adopt_encoding_share(self, share: tuple[SharedEncoding, int] | None) -> None:
+        if share is not None and self.phase == RAW and self.shares:
+            self._shared = (share[0], min(share[1], self.offset))
 
     def __repr__(self) -> str:
         return f"TurboKVCache({self.scheme.name}, {self.phase}, offset={self.offset}, capacity={self.capacity})"

@@ -297,6 +297,69 @@ def test_raw_to_compressed_exactly_once():
     assert len(cache.state) == 5 and all(a.shape[2] == 37 for a in cache.state)
 
 
+@pytest.mark.parametrize("name", ["turbo0v4", "turbo8v3"])
+def test_copies_of_a_shared_prefix_are_encoded_once_and_exactly(name, monkeypatch):
+    """Requests restored raw from one prefix-cache entry (a shared document) compress to
+    exactly what a cache that never saw the entry holds: the first to compress encodes the
+    shared tokens, the others copy them, and so do copies of an entry made from a copy. A
+    copy trimmed into the shared tokens and refilled copies only those still shared."""
+    from kvserve.cache import PromptCache
+    from kvserve.cache.prefix.snapshot import restore, take_snapshot
+
+    scheme = parse_scheme(name)
+    doc = kv(1, 2, 30, 64, seed=1)
+
+    def prompt(*chunks):  # a B = 1 container of one layer holding the chunks raw
+        layer = TurboKVCache(scheme)
+        for k, v in chunks:
+            layer.update_and_fetch(k, v)
+        return PromptCache([layer], scheme)
+
+    def compressed(cache):
+        cache.begin_decode()
+        return [np.array(a) for a in cache[0].state]
+
+    entry = take_snapshot(prompt(doc, kv(1, 2, 4, 64, seed=2)))  # the document and a first question
+    encoding, covered = entry.layers[0].shared
+    assert (encoding.parts, covered) == (None, 34)
+    rows = {q: restore(entry, 30) for q in (3, 4, 5)}
+    for q, row in rows.items():
+        row[0].update_and_fetch(*kv(1, 2, 5, 64, seed=q))  # each its own question
+    copied = take_snapshot(rows[5])  # a question's prompt offered before it decodes
+    assert copied.layers[0].shared == (encoding, 30)
+    fmt = type(rows[3][0]._vf)
+    encoded, encode = [], fmt.encode
+    monkeypatch.setattr(fmt, "encode", lambda self, v: encoded.append(v.shape[2]) or encode(self, v))
+    for q in (3, 4):
+        reference = compressed(prompt(doc, kv(1, 2, 5, 64, seed=q)))
+        got = compressed(rows[q])
+        assert all(np.array_equal(a, b) for a, b in zip(got, reference)) and len(got) == len(reference)
+    # Values encoded: reference 35, the first copy all 35, reference 35, the next copy its 5.
+    assert encoding.size == 30 and encoded[-4:] == [35, 35, 35, 5]
+    again = restore(copied, 30)
+    again[0].update_and_fetch(*kv(1, 2, 2, 64, seed=6))
+    assert all(np.array_equal(a, b) for a, b in zip(compressed(again),
+                                                    compressed(prompt(doc, kv(1, 2, 2, 64, seed=6)))))
+    assert encoded[-2:] == [2, 32]  # the copy of a copy, then its reference
+    trimmed = restore(entry, 30)
+    trimmed[0].trim(12)  # 18 shared tokens left, then 7 of its own
+    trimmed[0].update_and_fetch(*kv(1, 2, 7, 64, seed=7))
+    head = tuple(a[:, :, :18] for a in doc)
+    assert all(np.array_equal(a, b) for a, b in zip(compressed(trimmed), compressed(prompt(head, kv(1, 2, 7, 64, seed=7)))))
+    assert encoded[-2:] == [7, 25]  # the 18 still shared copied, its own 7 encoded; the reference all
+
+
+def test_calibrated_keys_share_no_encoding():
+    layer = TurboKVCache(parse_scheme("turbo4"))
+    layer.update_and_fetch(*kv(1, 2, 30, 64, seed=1))
+    assert layer.encoding_share() is None
+    layer = TurboKVCache(parse_scheme("turbo0v4"))
+    layer.update_and_fetch(*kv(1, 2, 30, 64, seed=1))
+    assert layer.encoding_share()[1] == 30
+    layer.update_and_fetch(*kv(1, 2, 1, 64, seed=2))  # compressed: nothing left to share
+    assert layer.encoding_share() is None
+
+
 def test_first_call_single_token_compresses_empty_cache():
     cache = TurboKVCache(parse_scheme("turbo4"))
     q, (k, v) = rand(1, 2, 1, 64), kv(1, 2, 1, 64, seed=1)

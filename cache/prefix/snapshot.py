@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -83,6 +83,9 @@ class LayerState:
     meta: dict[str, str]
     reach: int = 0  # how many last tokens a copy can drop exactly
     stored: bool = False
+    # What copies restored from it share of their encoding (``TurboKVCache.encoding_share``);
+    # not in files.
+    shared: Any = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -189,7 +192,8 @@ def layer_states(layers: Sequence[Any], reach: Sequence[int]) -> tuple[LayerStat
     kept = [_kept(layer) for layer in layers]  # exactly offset tokens each
     packed = iter(pack([a for arrays, _ in kept for a in arrays]))
     return tuple(LayerState(type(layer).__name__, layer.scheme, tuple(next(packed) for _ in arrays),
-                            dict(layer.meta_state), r, stored)
+                            dict(layer.meta_state), r, stored,
+                            layer.encoding_share() if isinstance(layer, TurboKVCache) else None)
                  for layer, (arrays, stored), r in zip(layers, kept, reach))
 
 
@@ -261,6 +265,8 @@ def restore(snap: Snapshot, num_tokens: int) -> PromptCache:
         layer = state.layer()
         if num_tokens < have:
             layer.trim(have - num_tokens)
+        if state.shared is not None:
+            layer.adopt_encoding_share(state.shared)
         layers.append(layer)
     return PromptCache(layers, snap.scheme, snap.quantize_after)
 
