@@ -12,15 +12,18 @@ Storage is one ``GrowableBuffer`` whose parts depend on the phase and the key fo
 every part is (B, H_kv, T, W), key parts first:
 
     phase / keys         parts (state adds key_scale (B, 1, 1, D_k) f32 for turbo keys)
-    raw                  K (act dtype; 16-bit for K=0, D_k), V (act dtype, D_v)
+    raw                  K (act dtype; 16-bit for K=0, D_k), V (act dtype; 16-bit for K=0, D_v)
     compressed, K=0      K (16-bit, D_k), V packed (uint32, ceil(D_v*b/32)), V norms (f32, 1)
     compressed, K=8      K wq (uint32, D_k/4), K scales, K biases (act dtype, D_k/g), V packed, V norms
     compressed, K=2..4   K packed, K norms, V packed, V norms
 
 Raw keys that the scheme keeps raw (K=0) are stored as the compressed phase keeps them, 16-bit
-floats (``RawFormat``), from the first chunk: compressing leaves them as they are, and a
-prompt over a model computing in float32 (a CPU) reads and snapshots half the key bytes.
-Everything the scheme encodes stays as computed until it is encoded.
+floats (``RawFormat``), from the first chunk: compressing leaves them as they are. Their
+values are then raw-phase 16-bit floats too, so a turbo0 prompt is stored, attended and
+snapshotted exactly as the fp16 scheme's (a model computing in float32, a CPU, reads and
+copies half the bytes; the 4-bit encoding of a 16-bit value differs from that of its float32
+original only where the rounding crosses a codebook boundary). Schemes that encode keys keep
+raw K/V as computed until they are encoded.
 
 Example, turbo8v3 at D = 128, per token per KV head: K 128 + 2*2*2 = 136 B, V 48 + 4 = 52 B.
 No dequantized copy of the cache is ever kept: attention decodes centroids transiently.
@@ -35,7 +38,7 @@ import mlx.core as mx
 from kvserve.cache import registry
 from kvserve.cache.base import BatchStoredKVCache, StoredKVCache
 from kvserve.cache.buffer import DEFAULT_GRANULE, GrowableBuffer
-from kvserve.cache.fp16 import attend_raw
+from kvserve.cache.fp16 import as_16_bit, attend_raw
 from kvserve.cache.scheme import KEY_SEED, KVScheme, parse_scheme  # noqa: F401 (docstrings)
 from kvserve.cache.turbo_codec import F32, RawFormat, make_format
 
@@ -237,8 +240,8 @@ class _TurboMixin:
         self._set_dims(keys.shape[-1], values.shape[-1])
         if self.phase == RAW and keys.shape[2] == 1:
             self.compress(reserve=1)
-        if self.phase == RAW:
-            parts = [self._kf.encode(keys)[0] if isinstance(self._kf, RawFormat) else keys, values]
+        if self.phase == RAW:  # raw keys: both as the fp16 scheme stores them (module doc)
+            parts = [*self._kf.encode(keys), as_16_bit(values)] if isinstance(self._kf, RawFormat) else [keys, values]
         else:
             if self._turbo_keys and self.key_scale is None:  # nothing was stored to calibrate on
                 self.key_scale = self._unit_scale(keys.shape[0])

@@ -63,6 +63,7 @@ SEEDED = replace(SEEDED, values=replace(SEEDED.values, seed=44))
     (NS, {"user.prefix_version": "1"}, "version"),  # files of the layout before checkpoints
     (NS, {"user.prefix_version": "2"}, "version"),  # fp16 entries of float32 K/V (a CPU's, before)
     (NS, {"user.prefix_version": "3"}, "version"),  # turbo0 entries of float32 keys (a CPU's, before)
+    (NS, {"user.prefix_version": "4"}, "version"),  # turbo0 raw entries of float32 values (a CPU's, before)
     (NS, {"format_version": "9"}, "version"),
 ])
 def test_other_namespaces_and_versions_are_refused_and_kept(tmp_path, writer_ns, metadata, reason):

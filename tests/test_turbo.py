@@ -402,6 +402,21 @@ def test_raw_phase_is_plain_sdpa():
     assert mx.abs(out - reference_attention(q, k, v, 0.125, "causal")).max().item() < 1e-5
 
 
+def test_a_turbo0_prompt_is_stored_and_attended_as_an_fp16_one():
+    """Raw keys (K=0): a float32 prompt's raw K and V are the fp16 scheme's 16-bit floats,
+    its attention is the fp16 cache's over them, and its codes are those of the 16-bit values."""
+    from kvserve.cache.fp16 import FP16KVCache
+
+    q, (k, v) = rand(1, 4, 8, 64), kv(1, 2, 8, 64, seed=1)
+    turbo, fp16 = TurboKVCache(parse_scheme("turbo0v4")), FP16KVCache(parse_scheme("fp16"))
+    out, want = step(turbo, q, k, v), step(fp16, q, k, v)
+    assert [a.dtype for a in turbo.state] == [a.dtype for a in fp16.state] == [mx.float16, mx.float16]
+    assert mx.array_equal(out, want).item()
+    turbo.compress()
+    encoded = turbo._vf.encode(v.astype(mx.float16))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(turbo.state[1:], encoded))
+
+
 # ----------------------------------------------------------------------------- batch algebra
 
 def copy_of(cache):

@@ -35,9 +35,10 @@ import numpy as np
 
 from kvserve.cache.scheme import KVScheme, parse_scheme
 
-PREFIX_VERSION = "4"  # the prefix-cache file format (files.py); any other value is refused.
+PREFIX_VERSION = "5"  # the prefix-cache file format (files.py); any other value is refused.
 # 3: fp16 entries hold 16-bit floats on every device (float32 on the CPU before).
 # 4: so do the keys of TurboQuant's turbo0 schemes (float32 on the CPU before).
+# 5: and their raw prompts' values (float32 on the CPU before).
 SUFFIX = ".safetensors"
 TOKEN_LIMIT = 1 << 32  # token ids are stored as uint32
 
