@@ -402,10 +402,12 @@ class BatchTurboKVCache(_TurboMixin, BatchStoredKVCache):
 
     @classmethod
     def merge(cls, caches: list[TurboKVCache]) -> BatchTurboKVCache:
-        """Left-pad and stack per-request caches of one scheme (the inputs are not changed)."""
+        """Left-pad and stack per-request caches of one scheme (the inputs are not changed).
+        Compressed where any of them is, or shares an encoding (``SharedEncoding``: rows
+        restored from a prefix entry merge to decode, and each copies the shared part)."""
         if len({c.scheme for c in caches}) != 1:
             raise ValueError("merge needs caches of one scheme")
-        compressed = any(c.phase == COMPRESSED for c in caches)
+        compressed = any(c.phase == COMPRESSED or c._shared is not None for c in caches)
         entries = [c._compressed() if compressed else (c._filled(), None) for c in caches]
         sizes = [c.offset if buf is not None else 0 for c, (buf, _) in zip(caches, entries)]
         size = max(sizes)

@@ -347,6 +347,9 @@ def test_copies_of_a_shared_prefix_are_encoded_once_and_exactly(name, monkeypatc
     head = tuple(a[:, :, :18] for a in doc)
     assert all(np.array_equal(a, b) for a, b in zip(compressed(trimmed), compressed(prompt(head, kv(1, 2, 7, 64, seed=7)))))
     assert encoded[-2:] == [7, 25]  # the 18 still shared copied, its own 7 encoded; the reference all
+    # Such rows merge into the decode batch compressed, each copying the shared part.
+    merged = BatchTurboKVCache.merge([rows[5][0]])
+    assert merged.phase == COMPRESSED and rows[5][0].phase == RAW and encoded[-1] == 5
 
 
 def test_calibrated_keys_share_no_encoding():

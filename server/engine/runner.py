@@ -542,15 +542,10 @@ class ModelRunner:
         self._single[request_id] = PromptCache(layers, self.scheme)
 
     def _join(self, request_ids: list[str]) -> None:
-        """Move B = 1 caches into the decode batch as new rows (one merge, one extend), each
-        in its decode form first: a TurboQuant prompt restored from a shared prefix then
-        copies that prefix's encoding where the batch would encode it again."""
+        """Move B = 1 caches into the decode batch as new rows (one merge, one extend)."""
         if not request_ids:
             return
-        singles = [self._single.pop(r) for r in request_ids]
-        for cache in singles:
-            cache.begin_decode()
-        self._add_rows(PromptCache.merge(singles), request_ids)
+        self._add_rows(PromptCache.merge([self._single.pop(r) for r in request_ids]), request_ids)
 
     def _add_rows(self, batch: PromptCache, request_ids: list[str]) -> None:
         """Append a batch container's rows (one per request id) to the decode batch."""
