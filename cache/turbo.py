@@ -352,8 +352,9 @@ class TurboKVCache(_TurboMixin, StoredKVCache):
             return None
         return self._shared if self._shared is not None else (SharedEncoding(), self.offset)
 
-    def adopt_encoding_share(self, share: tuple[SharedEncoding, int] | None) -> None:
-        if share is not None and self.phase == RAW and self.shares:
+    def adopt_encoding_share(self, share: tuple[SharedEncoding, int]) -> None:
+        """Take an entry's ``encoding_share`` (this cache is a copy restored from it)."""
+        if self.phase == RAW and self.shares:
             self._shared = (share[0], min(share[1], self.offset))
 
     def __repr__(self) -> str:

@@ -81,8 +81,8 @@ def chunks_over_stored(model, cache, tokens: list[int]) -> int:
     ``cache`` (a new B = 1 cache of the model), ``tokens``, converted to the scheme, then
     chunks of 1, 2 and 9 tokens, so the attention kernels for them are compiled before any
     request needs them. Returns the chunks run. One token is a prompt found whole in the
-    prefix cache but its last token, whose chunk has no mask (a program of its own: a
-    request repeated on an H200 waited about a second for it); 2 tokens are 2 x (query
+    prefix cache but its last token, whose chunk has no mask (a program of its own, which a
+    served engine on an H200 compiled for seconds while its requests waited); 2 tokens are 2 x (query
     heads per KV head) rows under a causal mask, 8 or fewer where a KV head serves up to 4
     query heads (one row tile); 9 tokens are always more."""
     import mlx.core as mx  # here: the scheduler imports this module without MLX
