@@ -18,7 +18,7 @@ file; ``clear`` deletes entry files and leftover temporary files, and nothing el
     0
     >>> print(out.getvalue().strip())
     1 entry files, 960 bytes; 0 temporary files
-      1 files          960 bytes  model model-a  tokenizer tok-a  scheme affine8  quantize_after 0  version 4
+      1 files          960 bytes  model model-a  tokenizer tok-a  scheme affine8  quantize_after 0  version 5
     >>> cache_command(parser.parse_args(["cache", "clear", "--prompt-cache-dir", str(d)]), io.StringIO())
     0
     >>> sorted(d.iterdir())
