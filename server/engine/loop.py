@@ -398,7 +398,7 @@ class Engine:
 
     def _note_programs(self) -> None:
         """Name each kernel program compiled since the warm-up (a request waited on it)."""
-        if self._programs is None or cuda_programs.compiled() == self._programs:
+        if self._programs is None:
             return
         for key in cuda_programs.since(self._programs):
             log.warning("kernel program compiled while serving: %s", cuda_programs.describe(key))

@@ -75,6 +75,9 @@ def warmup_requests(batch: int, prefill_step_size: int, tokens: list[int], conte
     return requests
 
 
+CHUNKS_OVER_STORED = (1, 2, 9)  # tokens of each warm-up chunk over stored K/V (below)
+
+
 def chunks_over_stored(model, cache, tokens: list[int]) -> int:
     """Prompt chunks over K/V already in the scheme (a question after a cached prefix),
     which the warm-up's requests never run (their chunks attend over the raw prefill): into
@@ -94,8 +97,6 @@ def chunks_over_stored(model, cache, tokens: list[int]) -> int:
         mx.eval(model(mx.array((tokens * n)[:n])[None], cache=cache))
     return len(CHUNKS_OVER_STORED)
 
-
-CHUNKS_OVER_STORED = (1, 2, 9)  # tokens of each warm-up chunk over stored K/V
 
 
 def is_warmup(request_id: str) -> bool:
