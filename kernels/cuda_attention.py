@@ -276,7 +276,7 @@ def attend_cuda(queries: mx.array, key_fmt, keys: tuple[mx.array, ...], value_fm
     worked out once per shape family (``_family_plan``); per call remain the checks and
     the launch shape that involve T."""
     T = keys[0].shape[2]
-    # A decode mask known by its rows' spans (a padded batch's, a captured step's): the
+    # A decode mask known by its rows' spans (a padded eager batch's): the
     # tensor-core pass reads one start per row and the end (mask kind 5); other passes, and
     # other masks, read the mask itself.
     spans = row_spans(mask, queries.shape[0]) if queries.shape[2] == 1 else None

@@ -112,34 +112,16 @@ def note_left_padding(mask: mx.array, padding: list[int]) -> mx.array:
         >>> row_spans(m, 2).tolist(), row_spans(mx.array(m), 2)
         ([1, 0, 2], None)
     """
-    return _note(mask, len(padding), lambda: mx.array([*padding, mask.shape[-1]], dtype=mx.int32))
-
-
-def note_row_spans(mask: mx.array, starts: mx.array, end: mx.array) -> mx.array:
-    """Remember that ``mask`` (B, 1, 1, capacity) shows row b exactly slots
-    [starts[b], end): a captured decode step's mask over storage longer than its rows
-    (``kvserve.cache.captured``), whose kernels then read up to ``end`` only, not the
-    capacity. ``starts`` (B,) and ``end`` (a scalar) are arrays. Returns ``mask``.
-
-        >>> starts, end = mx.array([1, 0]), mx.array(3)
-        >>> m = note_row_spans((mx.arange(8)[None] >= starts[:, None]) & (mx.arange(8) < end), starts, end)
-        >>> row_spans(m, 2).tolist()
-        [1, 0, 3]
-    """
-    return _note(mask, starts.shape[0],
-                 lambda: mx.concatenate([starts.astype(mx.int32), end.reshape(1).astype(mx.int32)]))
-
-
-def _note(mask: mx.array, batch: int, spans) -> mx.array:
     if len(_padded) >= _PADDED_MAX:
         _padded.pop(next(iter(_padded)))
-    _padded[id(mask)] = [mask, batch, spans]  # the mask itself keeps its id unique
+    spans = lambda: mx.array([*padding, mask.shape[-1]], dtype=mx.int32)  # noqa: E731 (built on first use)
+    _padded[id(mask)] = [mask, len(padding), spans]  # the mask itself keeps its id unique
     return mask
 
 
 def row_spans(mask: Any, batch: int) -> mx.array | None:
-    """(B + 1,) int32 for a mask ``note_left_padding`` or ``note_row_spans`` saw: each row's
-    first slot, then the slot every row ends before; else None. Built once per mask."""
+    """(B + 1,) int32 for a mask ``note_left_padding`` saw: each row's first slot, then the
+    slot every row ends before; else None. Built once per mask."""
     entry = _padded.get(id(mask)) if isinstance(mask, mx.array) else None
     if entry is None or entry[0] is not mask or entry[1] != batch:
         return None
@@ -154,9 +136,8 @@ def mask_kind(mask: Any, L: int) -> int:
     left-padded batch's decode step. Kind 4 reads one value per token instead of one per
     score (the generic index costs more than the load; padding doubled affine4's time).
     5 (``ROW_SPANS``): such a mask known to show each row one span of slots, its first
-    ones hidden by padding, its last ones past the end of a captured step's rows
-    (``row_spans``); the kernel then reads row b's span only, from one int per row and
-    one for the end.
+    ones hidden by padding (``row_spans``); the kernel then reads row b's span only, from
+    one int per row and one for the end.
 
         >>> mask_kind(None, 1), mask_kind("causal", 1), mask_kind("causal", 4)
         (0, 0, 1)

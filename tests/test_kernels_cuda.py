@@ -82,8 +82,8 @@ def test_mask_kinds():
 def test_a_padded_batchs_decode_mask_is_known_by_its_row_spans():
     """A left-padded batch cache's decode mask hides exactly each row's padding, so the
     tensor-core pass takes the rows' first slots and the end instead (mask kind 5); a
-    prefill mask, an unpadded batch's and a copy of the mask are not known. A captured
-    step's mask is known by its rows' first slots and the slot after the one written."""
+    prefill mask, an unpadded batch's, a copy of the mask and a captured step's are not
+    known (the last is read as a mask: ``cache.captured.step_mask``)."""
     from kvserve.cache import PromptCache, make_layer_cache
     from kvserve.cache.captured import step_mask
     from kvserve.kernels.cuda_layout import row_spans
@@ -101,7 +101,7 @@ def test_a_padded_batchs_decode_mask_is_known_by_its_row_spans():
     assert row_spans(mask, 2) is None  # another batch size
     assert ca.mask_kind(ca.ROW_SPANS, 1) == 5
     captured = step_mask(mx.array([3, 0]), mx.array(9), 16)  # slot 9 written, capacity 16
-    assert row_spans(captured, 2).tolist() == [3, 0, 10]
+    assert row_spans(captured, 2) is None and ca.mask_kind(captured, 1) == 4
     assert captured[:, 0, 0].tolist() == [[s <= t <= 9 for t in range(16)] for s in (3, 0)]
 
 
@@ -222,42 +222,27 @@ def test_kernel_matches_the_reference_at_other_head_dims(name, L, D):
     _check_against_the_reference(name, L, mx.float16, 4e-3, None, D)
 
 
-def _past(parts: tuple[mx.array, ...], end: int) -> tuple[mx.array, ...]:
-    """Stored parts whose floating-point components are NaN from slot ``end`` on: a kernel
-    that reads (or weights) any of those slots returns NaN."""
-    after = (mx.arange(parts[0].shape[2]) >= end)[None, None, :, None]
-    return tuple(mx.where(after, mx.nan, p).astype(p.dtype) if mx.issubdtype(p.dtype, mx.floating) else p
-                 for p in parts)
-
-
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend and an NVIDIA GPU")
 @pytest.mark.parametrize("name", ["affine4", "mxfp4", "turbo0v4", "turbo8v3", "fp16"])
-@pytest.mark.parametrize("end", [300, 250])
-def test_row_spans_equal_the_mask_on_gpu(name, end):
+def test_row_spans_equal_the_mask_on_gpu(name):
     """Kind 5 against the reference over the same mask as an array: rows whose first slot is
-    0, inside a step (5), past whole steps (17, 33) and inside a later step (236); all of
-    the 300 slots (18 steps of 16 and 12: a padded batch's mask) or the first 250 (a
-    captured step's over a longer storage, whose slots past the end are NaN here, unread)."""
-    from kvserve.kernels.cuda_layout import note_left_padding, note_row_spans, row_spans
+    0, inside a step (5), past whole steps (17, 33) and inside a later step (236), over 300
+    slots (18 steps of 16 and 12: a padded batch's decode mask)."""
+    from kvserve.kernels.cuda_layout import note_left_padding, row_spans
 
     D, T, Hkv, R, starts = 128, 300, 2, 4, [0, 5, 17, 33, 236]
     B = len(starts)
     kf, kp, vf, vp = _formats(name, D, T, B, Hkv)
     q = mx.random.normal((B, Hkv * R, 1, D), key=mx.random.key(5)).astype(mx.float16)
     slots = mx.arange(T)[None, None, None, :]
-    mask = (slots >= mx.array(starts)[:, None, None, None]) & (slots < end)
-    if end == T:
-        note_left_padding(mask, starts)
-    else:
-        note_row_spans(mask, mx.array(starts), mx.array(end))
-    assert row_spans(mask, B).tolist() == [*starts, end]
-    cut = lambda parts: tuple(p[:, :, :end] for p in parts)  # noqa: E731
+    mask = note_left_padding(slots >= mx.array(starts)[:, None, None, None], starts)
+    assert row_spans(mask, B).tolist() == [*starts, T]
     with mx.stream(mx.gpu):
-        got = ca.attend_cuda(q, kf, _past(kp, end), vf, _past(vp, end), D ** -0.5, mask)
-        plain = ca.attend_cuda(q, kf, cut(kp), vf, cut(vp), D ** -0.5, mx.array(mask[..., :end]))  # kind 4
+        got = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, mask)
+        plain = ca.attend_cuda(q, kf, kp, vf, vp, D ** -0.5, mx.array(mask))  # kind 4
         mx.eval(got, plain)
     with mx.stream(mx.cpu):
-        want = attend_full(q.astype(mx.float32), kf, cut(kp), vf, cut(vp), D ** -0.5, mask[..., :end])
+        want = attend_full(q.astype(mx.float32), kf, kp, vf, vp, D ** -0.5, mask)
         assert mx.max(mx.abs(got.astype(mx.float32) - want)).item() <= 4e-3
         assert mx.max(mx.abs(plain.astype(mx.float32) - want)).item() <= 4e-3
 

@@ -152,7 +152,10 @@ def test_the_warm_up_runs_chunks_over_k_v_already_in_the_scheme(default_model_di
     assert loaded.runner.warm_stored_chunks(list(range(5, 21))) == 3
     layers = len(loaded.runner.model.layers)
     chunks = collections.Counter(call for call in seen if call[1] in (1, 2, 9))
-    assert set(chunks) == {(fmt, 1, None), (fmt, 2, "causal"), (fmt, 9, "causal")}
+    want = {(fmt, 1, None), (fmt, 2, "causal"), (fmt, 9, "causal")}
+    if fmt == "RawFormat" and _on_cuda():  # there one fp16 query without a mask is MLX's SDPA (attend_raw)
+        want.discard((fmt, 1, None))
+    assert set(chunks) == want
     assert min(chunks.values()) >= layers
     assert loaded.runner.kv_bytes == 0
 
