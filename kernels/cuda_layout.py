@@ -114,8 +114,8 @@ def note_left_padding(mask: mx.array, padding: list[int]) -> mx.array:
     """
     if len(_padded) >= _PADDED_MAX:
         _padded.pop(next(iter(_padded)))
-    spans = lambda: mx.array([*padding, mask.shape[-1]], dtype=mx.int32)  # noqa: E731 (built on first use)
-    _padded[id(mask)] = [mask, len(padding), spans]  # the mask itself keeps its id unique
+    # The spans are built on first use (``row_spans``); the mask itself keeps its id unique.
+    _padded[id(mask)] = [mask, len(padding), lambda: mx.array([*padding, mask.shape[-1]], dtype=mx.int32)]
     return mask
 
 

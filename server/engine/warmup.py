@@ -98,7 +98,6 @@ def chunks_over_stored(model, cache, tokens: list[int]) -> int:
     return len(CHUNKS_OVER_STORED)
 
 
-
 def is_warmup(request_id: str) -> bool:
     """A warm-up request: the prefix cache keeps nothing of it."""
     return request_id.startswith(WARMUP_PREFIX)
