@@ -429,11 +429,12 @@ def _tool(name: str, argv: list[str]) -> int:
 
 def _run(command) -> int:
     """Run a subcommand; errors a user can fix become one line on stderr and exit code 1."""
+    from kvserve.server.engine.warmup import WarmupFailed
     from kvserve.server.models.errors import ModelLoadError
 
     try:
         return command()
-    except (ModelLoadError, ConfigError) as exc:
+    except (ModelLoadError, ConfigError, WarmupFailed) as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -20,7 +20,9 @@ from kvserve.server.engine.fastpath import TableRoPE
 from kvserve.server.engine.loop import Engine
 from kvserve.server.engine.model_loader import load_model, make_loader
 from kvserve.server.engine.request import Request, SamplingParams
-from kvserve.server.engine.warmup import warmup_requests
+from kvserve.server.cli import _run as cli_run
+from kvserve.server.engine.runner import ModelRunner
+from kvserve.server.engine.warmup import WarmupFailed, warmup_requests
 
 
 def _ropes(model) -> set[type]:
@@ -84,13 +86,17 @@ def test_the_scheduler_takes_the_chunk_size_the_config_leaves_to_the_device(tiny
         engine.stop(30)
 
 
-def _engine(model_dir, cache_dir, warmup: str) -> Engine:
+def _unstarted(model_dir, cache_dir, warmup: str) -> Engine:
     config = EngineConfig(max_batch_size=4, prefill_step_size=16, warmup=warmup)
     load = make_loader(ModelConfig(model=str(model_dir), cache_dir=str(cache_dir), weight_format="as-loaded"),
                        parse_scheme("turbo0v4"), "test", cache=CacheConfig(prompt_cache_ram_gb=0.1,
                                                                           prompt_cache_disk_gb=0.1),
                        device=profile_for("cpu", warmup))
-    engine = Engine(load, config)
+    return Engine(load, config)
+
+
+def _engine(model_dir, cache_dir, warmup: str) -> Engine:
+    engine = _unstarted(model_dir, cache_dir, warmup)
     engine.start()
     return engine
 
@@ -134,6 +140,39 @@ def test_a_warmed_up_engine_keeps_nothing_and_answers_as_a_cold_one(tiny_model_d
     finally:
         warm.stop(30)
         cold.stop(30)
+
+
+@pytest.mark.parametrize("where", ["execute", "warm_stored_chunks"])
+def test_a_warm_up_that_fails_fails_the_start_with_its_reason(tiny_model_dir, tmp_path, monkeypatch, capsys, where):
+    """The device running out of memory in a warm-up step (whose requests then fail) or in
+    its chunks over stored K/V (which no request owns), as two 8B-shaped servers warming up at
+    once on one H200 did: ``start`` raises ``WarmupFailed`` with the reason and what to
+    change, the engine's thread ends, and ``kvserve serve`` prints it and exits 1. No server
+    says ready that could not serve its own warm-up, and none waits forever for a thread
+    that died."""
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+    monkeypatch.setattr(ModelRunner, where, out_of_memory)
+    engine = _unstarted(tiny_model_dir, tmp_path, "on")
+    with pytest.raises(WarmupFailed) as failed:
+        engine.start()
+    engine._thread.join(30)
+    assert not engine._thread.is_alive()
+    reason = "RuntimeError: cudaMallocAsync(&data, size, stream) failed: out of memory"
+    assert engine.warmup.error == (f"engine error: {reason}" if where == "execute" else reason)
+    # Each step failed with its requests; or every step ran and the chunks after them failed.
+    assert engine.warmup.batch_sizes == (set() if where == "execute" else {1, 2, 3, 4})
+    message = str(failed.value)
+    assert message.startswith("warm-up: ") and f"failed: {engine.warmup.error}. " in message
+    assert "The warm-up's 4 requests (prompts of up to 29 tokens) could not be served" in message
+    assert message.endswith("or start without the warm-up (--warmup off)")
+
+    def serve():
+        raise failed.value
+
+    assert cli_run(serve) == 1
+    assert capsys.readouterr().err == f"kvserve: error: {message}\n"
 
 
 @pytest.mark.parametrize("scheme, fmt", [("affine4", "QuantizedFormat"), ("fp16", "RawFormat")])

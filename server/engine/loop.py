@@ -26,7 +26,7 @@ from kvserve.server.engine.metrics import EngineMetrics
 from kvserve.server.engine.output import OutputState, StopMatcher
 from kvserve.server.engine.request import FinishReason, Request, RequestStatus, TokenEvent, Usage
 from kvserve.server.engine.scheduler import QueueFull, Scheduler, StepPlan, StepResult
-from kvserve.server.engine.warmup import WarmupReport
+from kvserve.server.engine.warmup import WarmupFailed, WarmupReport
 
 log = logging.getLogger("kvserve.engine")
 
@@ -179,7 +179,13 @@ class Engine:
             self.scheduler.prefill_step_size, self.scheduler.max_step_tokens = self.config.step_sizes(
                 self.model.device.prefill_step_size)
         if self.model.device is not None and self.model.device.warmup:
-            self._warm_up()
+            try:
+                self._warm_up()
+            except WarmupFailed as exc:  # reported to start(), which re-raises it
+                self._load_error = exc
+                self.model.runner.close()
+                self._ready.set()
+                return
         self._programs = cuda_programs.compiled()  # from here on, each new one stalls a request
         self.metrics.kv_budget_bytes = self.kv_budget.bytes
         self.metrics.kv_scheme = self.model.info.kv_scheme
@@ -238,8 +244,27 @@ class Engine:
         programs = cuda_programs.compiled()
         errors: list[str] = []
         tokens = warmup_tokens(self.model.tokenizer)
-        for request in warmup_requests(self.scheduler.max_running, self.scheduler.prefill_step_size,
-                                       tokens, self.model.info.context_length, self.scheduler.max_step_tokens):
+        requests = warmup_requests(self.scheduler.max_running, self.scheduler.prefill_step_size,
+                                   tokens, self.model.info.context_length, self.scheduler.max_step_tokens)
+        try:
+            self._serve_to_self(requests, report, errors)
+            report.prefill_chunks += self.model.runner.warm_stored_chunks(tokens)
+        except Exception as exc:  # a step's failure fails its requests; this one ends the warm-up
+            errors.append(f"{type(exc).__name__}: {exc}")
+        report.seconds, report.compiled = time.monotonic() - started, kernel_files(device) - kernels
+        report.programs = cuda_programs.compiled() - programs
+        report.error = errors[0] if errors else ""
+        self.warmup = report
+        if report.error:
+            raise WarmupFailed(report, len(requests), max(len(r.prompt_tokens) for r in requests))
+        self.metrics = EngineMetrics(kv_scheme="")
+        self.model.runner.restart_counts()
+        log.info("%s", report.describe())
+
+    def _serve_to_self(self, requests: list[Request], report: WarmupReport, errors: list[str]) -> None:
+        """Admit ``requests`` and step until none is left; each failed one's error goes to
+        ``errors``."""
+        for request in requests:
             self._inflight += 1
             self._admit(request, lambda event: errors.append(event.error) if event.error else None)
         while self.scheduler.has_work:
@@ -249,14 +274,6 @@ class Engine:
                 report.prefill_chunks += len(plan.prefill)
                 if plan.decode:
                     report.batch_sizes.add(len(plan.decode))
-        report.prefill_chunks += self.model.runner.warm_stored_chunks(tokens)
-        report.seconds, report.compiled = time.monotonic() - started, kernel_files(device) - kernels
-        report.programs = cuda_programs.compiled() - programs
-        report.error = errors[0] if errors else ""
-        self.warmup = report
-        self.metrics = EngineMetrics(kv_scheme="")
-        self.model.runner.restart_counts()
-        (log.error if report.error else log.info)("%s", report.describe())
 
     def _go_down(self, reason: str) -> None:
         """Fail every request, running, waiting or still in the inbox; refuse new ones."""

@@ -48,6 +48,25 @@ class WarmupReport:
                 f"{self.seconds:.1f} s{failed}")
 
 
+class WarmupFailed(RuntimeError):
+    """The warm-up could not serve its own requests, so the server does not say ready: what
+    failed there would fail its first clients too. On a GPU that is most often memory: two
+    8B-shaped servers warming up at once on one H200 both ran out of it (MLX lets each process
+    keep freed buffers up to nearly all of the device, counting only its own).
+
+        >>> e = WarmupFailed(WarmupReport(steps=3, error="engine error: out of memory"), 4, 29)
+        >>> print(str(e).split("; failed: ")[1].split(": where")[0])
+        engine error: out of memory. The warm-up's 4 requests (prompts of up to 29 tokens) could not be served
+    """
+
+    def __init__(self, report: WarmupReport, requests: int, longest: int):
+        super().__init__(f"{report.describe()}. The warm-up's {requests} requests (prompts of up to {longest} "
+                         "tokens) could not be served: where another process shares the device, start one "
+                         "server at a time; else lower --max-batch-size or --kv-memory, or start without "
+                         "the warm-up (--warmup off)")
+        self.report = report
+
+
 def warmup_requests(batch: int, prefill_step_size: int, tokens: list[int], context: int = 0,
                     step_tokens: int = 0) -> list[Request]:
     """``batch`` requests over ``tokens`` repeated: row i has a prompt of
