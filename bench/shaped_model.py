@@ -13,7 +13,11 @@ can serve it beside ``mlx_lm.server`` over HTTP like any other model:
     full one;
   * ``smollm2-135m-32k``: the default model's own shape (30 layers, hidden 576, 9 query
     heads over 3 KV heads, head_dim 64) with a 32,768-token context where the default model
-    has 8,192, for CPU benchmarks over documents of 16K and 32K tokens.
+    has 8,192, for CPU benchmarks over documents of 16K and 32K tokens;
+  * ``smollm2-thin``: the default model's depth and head_dim (30 layers, head_dim 64) with
+    the widths cut (hidden 192, 3 query heads over 1 KV head, MLP 128): a step does every
+    operation the default model's does on a tenth of its products, so on a CPU it shows the
+    host's work per step, which is what a GPU's short steps wait on.
 
 The vocabulary is the tokenizer's (49152 rows where Llama 3 has 128256 and Gemma 3
 262144), so every sampled id decodes; the embedding and output head are smaller than the
@@ -52,6 +56,12 @@ SHAPES: dict[str, dict] = {
         "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
         "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 100000.0,
         "tie_word_embeddings": True, "max_position_embeddings": 32768, "torch_dtype": "float16",
+    },
+    "smollm2-thin": {  # the default model's depth and head_dim, its widths cut
+        "model_type": "llama", "hidden_size": 192, "num_hidden_layers": 30,
+        "intermediate_size": 128, "num_attention_heads": 3, "num_key_value_heads": 1,
+        "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "max_position_embeddings": 8192, "torch_dtype": "float16",
     },
     "gemma3-4b": {
         "model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34,
