@@ -73,7 +73,7 @@ class Engine:
         self._load = load
         self._inbox: queue.Queue = queue.Queue()
         self._ready = threading.Event()
-        self._load_error: BaseException | None = None
+        self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="kvserve-engine", daemon=True)
         self._lock = threading.Lock()
         self._inflight = 0
@@ -97,11 +97,12 @@ class Engine:
 
     # ---- called from other threads -------------------------------------------------
     def start(self) -> LoadedModel:
-        """Start the thread, wait for the model to load; re-raise a load failure here."""
+        """Start the thread, wait for the model to load and warm up; re-raise either's failure
+        here (``WarmupFailed`` for the warm-up's)."""
         self._thread.start()
         self._ready.wait()
-        if self._load_error is not None:
-            raise self._load_error
+        if self._start_error is not None:
+            raise self._start_error
         return self.model
 
     def submit(self, request: Request, sink: Sink) -> None:
@@ -170,7 +171,7 @@ class Engine:
         try:
             self.model = self._load()
         except BaseException as exc:  # reported to start(), which re-raises it
-            self._load_error = exc
+            self._start_error = exc
             self._ready.set()
             return
         self.kv_budget = kv_budget(self.config.kv_memory, self.model.kv_token_bytes)
@@ -182,7 +183,7 @@ class Engine:
             try:
                 self._warm_up()
             except WarmupFailed as exc:  # reported to start(), which re-raises it
-                self._load_error = exc
+                self._start_error = exc
                 self.model.runner.close()
                 self._ready.set()
                 return

@@ -64,7 +64,6 @@ class WarmupFailed(RuntimeError):
                          "tokens) could not be served: where another process shares the device, start one "
                          "server at a time; else lower --max-batch-size or --kv-memory, or start without "
                          "the warm-up (--warmup off)")
-        self.report = report
 
 
 def warmup_requests(batch: int, prefill_step_size: int, tokens: list[int], context: int = 0,
