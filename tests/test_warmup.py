@@ -64,9 +64,9 @@ def test_warmup_setting_overrides_the_device_default():
 
 def test_warmup_requests_fit_the_context_and_leave_one_step_apart():
     rows = warmup_requests(8, prefill_step_size=256, tokens=[5, 6], context=512, step_tokens=256)
-    assert [len(r.prompt_tokens) for r in rows] == [5, 133, 261, 389, 495, 495, 495, 495]
-    # 2,768 prompt tokens at 248 a step (8 go to decoding rows): 12 steps, one more to spare
-    assert [r.params.max_tokens for r in rows] == list(range(14, 22))
+    assert [len(r.prompt_tokens) for r in rows] == [5, 4, 261, 389, 495, 495, 495, 495]
+    # 2,639 prompt tokens at 248 a step (8 go to decoding rows): 11 steps, one more to spare
+    assert [r.params.max_tokens for r in rows] == list(range(13, 21))
 
 
 @pytest.mark.parametrize("backend, configured, want", [("cuda", {}, (1024, 1024)), ("cpu", {}, (256, 256)),
@@ -110,6 +110,22 @@ def _greedy(engine: Engine, prompt: list[int]) -> list[int]:
         tokens += event.token_ids
         if event.finish_reason is not None:
             return tokens
+
+
+def test_the_warm_up_prefills_two_short_prompts_together(tiny_model_dir, tmp_path, monkeypatch):
+    """Short prompts that arrive at once prefill as one left-padded batch, whose attention
+    reads the padding's mask: on a GPU a kernel program of its own, which a served fp16
+    engine on an H200 compiled for seconds while its first requests waited. The warm-up's
+    rows 0 and 1 (5 and 4 tokens) are such a pair, and the only one."""
+    together, prefill_together = [], ModelRunner._prefill_together
+
+    def spy(self, chunks):
+        together.append([c.request.num_prompt_tokens for c in chunks])
+        return prefill_together(self, chunks)
+
+    monkeypatch.setattr(ModelRunner, "_prefill_together", spy)
+    _engine(tiny_model_dir, tmp_path, "on").stop(30)
+    assert together == [[5, 4]]
 
 
 def test_a_warmed_up_engine_keeps_nothing_and_answers_as_a_cold_one(tiny_model_dir, tmp_path, caplog):
@@ -209,10 +225,11 @@ def _on_cuda() -> bool:
 def test_no_served_request_waits_on_a_kernel_compile(default_model_dir, tmp_path):
     """The default model on a GPU, in fp16 and affine4, each with an empty kernel folder: the
     warm-up compiles what the server will call (the folder fills before /health says ready),
-    and a burst of requests afterwards (8 at once of different lengths, greedy and sampled,
-    with logprobs, then one alone) compiles nothing more: no kernel file, and none of
-    kvserve's kernel programs (``kvserve.kernels.cuda_programs``, in memory only). The two servers start together:
-    each cold warm-up takes minutes of compiling on one CPU core."""
+    and requests afterwards (8 at once of different lengths, greedy and sampled, with
+    logprobs; two short ones at once, prefilled as one padded batch; then one alone) compile
+    nothing more: no kernel file, and none of kvserve's kernel programs
+    (``kvserve.kernels.cuda_programs``, in memory only). The two servers start together: each
+    cold warm-up takes minutes of compiling on one CPU core."""
     import httpx
 
     from servers import ServerProcess
@@ -230,14 +247,15 @@ def test_no_served_request_waits_on_a_kernel_compile(default_model_dir, tmp_path
             compiled = sorted(p.name for p in folders[scheme].iterdir())
             assert compiled, f"{scheme}: the warm-up compiled nothing"
 
-            def ask(i: int):
+            def ask(i: int, times: int = 0):
                 body = {"model": "default", "max_tokens": 12 + i, "temperature": 0.7 * (i % 2),
                         "logprobs": i == 3, "top_logprobs": 2 if i == 3 else None,
-                        "messages": [{"role": "user", "content": "Tell me about the sea. " * (1 + 9 * i)}]}
+                        "messages": [{"role": "user", "content": "Tell me about the sea. " * (times or 1 + 9 * i)}]}
                 return lambda: httpx.post(f"{proc.base_url}/v1/chat/completions", json=body, timeout=120)
 
-            replies = together([ask(i) for i in range(8)]) + [ask(2)()]
-            assert [r.status_code for r in replies] == [200] * 9
+            # Then two short prompts of near lengths at once: one left-padded prompt batch.
+            replies = together([ask(i) for i in range(8)]) + together([ask(0, 3), ask(0, 4)]) + [ask(2)()]
+            assert [r.status_code for r in replies] == [200] * 11
             late = sorted({p.name for p in folders[scheme].iterdir()} - set(compiled))
             assert not late, f"{scheme} compiled while serving: {late}"
             # kvserve's own kernels compile in memory only: the engine counts and names them.

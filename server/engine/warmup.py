@@ -12,7 +12,7 @@ penalties.
 
     >>> rs = warmup_requests(4, prefill_step_size=16, tokens=[7, 8, 9])
     >>> [(len(r.prompt_tokens), r.params.max_tokens, r.params.greedy) for r in rs]
-    [(5, 8, True), (13, 9, False), (21, 10, True), (29, 11, False)]
+    [(5, 7, True), (4, 8, False), (21, 9, True), (29, 10, False)]
     >>> [r.params.logprobs for r in rs], [r.params.presence_penalty for r in rs]
     ([False, True, False, False], [0.0, 0.0, 0.0, 0.5])
 """
@@ -70,14 +70,17 @@ def warmup_requests(batch: int, prefill_step_size: int, tokens: list[int], conte
                     step_tokens: int = 0) -> list[Request]:
     """``batch`` requests over ``tokens`` repeated: row i has a prompt of
     ``5 + i * prefill_step_size // 2`` tokens (the last ones cross a chunk boundary; at most
-    what ``context`` leaves, where given). Rows join the batch as their prompts complete and
+    what ``context`` leaves, where given), but row 1 has 4: rows 0 and 1 prefill together,
+    row 1 left-padded by one slot, as short prompts that arrive at once are (on a GPU their
+    attention under the padding's mask is a kernel program of its own, which a served engine
+    compiled for seconds while its first requests waited). Rows join the batch as their prompts complete and
     leave one step apart: each generates ``lead + 1 + i`` tokens, where ``lead`` is the steps
     all prompts need at ``step_tokens`` per step (less one token per decoding row), so the
     batch grows to ``batch`` rows and shrinks back to one. Odd rows sample at temperature
     0.8 with top-p and top-k, row 1 asks for logprobs, row 3 adds a penalty."""
     lengths = []
     for i in range(batch):
-        n = 5 + i * max(prefill_step_size // 2, 1)
+        n = 4 if i == 1 else 5 + i * max(prefill_step_size // 2, 1)
         lengths.append(max(1, min(n, context - 2 * batch - 1)) if context else n)
     per_step = max((step_tokens or prefill_step_size) - batch, 1)
     lead = -(-sum(lengths) // per_step) + 1
