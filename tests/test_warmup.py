@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 
 import mlx.core as mx
@@ -126,6 +127,16 @@ def test_the_warm_up_prefills_two_short_prompts_together(tiny_model_dir, tmp_pat
     monkeypatch.setattr(ModelRunner, "_prefill_together", spy)
     _engine(tiny_model_dir, tmp_path, "on").stop(30)
     assert together == [[5, 4]]
+
+
+def test_stop_returns_once_the_engine_thread_has_exited(tiny_model_dir, tmp_path):
+    """``Engine.stop`` returns after the engine's OS thread is gone, not only its Python side:
+    the thread's C++ thread-local destructors (MLX's compile cache, which the warm-up's
+    sampled rows fill) take the GIL, and a script that ended right after ``stop`` aborted
+    in them while the interpreter finalized."""
+    engine = _engine(tiny_model_dir, tmp_path, "on")
+    assert engine.stop(30)
+    assert not os.path.exists(f"/proc/self/task/{engine._thread.native_id}")
 
 
 def test_a_warmed_up_engine_keeps_nothing_and_answers_as_a_cold_one(tiny_model_dir, tmp_path, caplog):

@@ -12,6 +12,7 @@ execute it, commit the ``StepResult``, turn sampled tokens into text and events.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -40,6 +41,30 @@ class EngineDown(RuntimeError):
     """The engine cannot serve any more (a process of a split model is gone, or the processes
     disagree): raised by a runner, it fails every request and ends the engine thread. Raised
     by ``submit`` afterwards, the HTTP layer answers 503."""
+
+
+def await_thread_exit(native_id: int | None, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for the OS thread ``native_id`` to be gone (Linux: its entry
+    under /proc/self/task); True once it is, or where there is no /proc to tell.
+
+    ``Thread.join`` returns before a thread's C++ thread-local destructors run, and MLX's
+    compile cache is one: its entries take the GIL to drop the Python objects they hold. A
+    script that ends right after ``Engine.stop`` then finalizes the interpreter while the
+    engine thread's destructors wait for the GIL, and the process aborts ("terminate called
+    without an active exception", two runs in three on a 2-core CPU). Waiting here lets them
+    run while the interpreter is whole.
+
+        >>> t = threading.Thread(target=lambda: None); t.start(); t.join()
+        >>> await_thread_exit(t.native_id, 5.0)
+        True
+    """
+    task = f"/proc/self/task/{native_id}"
+    deadline = time.monotonic() + timeout
+    while os.path.exists(task):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 @dataclass(frozen=True)
@@ -126,7 +151,10 @@ class Engine:
         thread was still running after ``timeout`` seconds."""
         self._inbox.put(("stop",))
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        await_thread_exit(self._thread.native_id, 5.0 if timeout is None else timeout)
+        return True
 
     def health(self) -> tuple[bool, str]:
         if self._down is not None:
