@@ -51,7 +51,8 @@ class WarmupReport:
 class WarmupFailed(RuntimeError):
     """The warm-up could not serve its own requests, so the server does not say ready: what
     failed there would fail its first clients too. On a GPU that is most often memory: two
-    8B-shaped servers warming up at once on one H200 both ran out of it (MLX lets each process
+    8B-shaped servers warming up at once on one H200 both ran out of it, and one such server
+    alone still held 138 of the H200's ~140 GiB when it said ready (MLX lets each process
     keep freed buffers up to nearly all of the device, counting only its own).
 
         >>> e = WarmupFailed(WarmupReport(steps=3, error="engine error: out of memory"), 4, 29)
@@ -61,8 +62,9 @@ class WarmupFailed(RuntimeError):
 
     def __init__(self, report: WarmupReport, requests: int, longest: int):
         super().__init__(f"{report.describe()}. The warm-up's {requests} requests (prompts of up to {longest} "
-                         "tokens) could not be served: where another process shares the device, start one "
-                         "server at a time; else lower --max-batch-size or --kv-memory, or start without "
+                         "tokens) could not be served: where another process shares the device, it may "
+                         "hold most of its memory (MLX keeps what a process has freed), so give this server "
+                         "a device of its own; else lower --max-batch-size or --kv-memory, or start without "
                          "the warm-up (--warmup off)")
 
 
