@@ -57,7 +57,7 @@ from kvserve.kernels.cuda_programs import cuda_kernel
 
 from kvserve.kernels.cuda_layout import kernel_name, on_cuda
 from kvserve.kernels.cuda_mma_header import MMA_HEADER
-from kvserve.kernels.cuda_source import HEADER as BASE_HEADER
+from kvserve.kernels.cuda_source import CORE_HEADER
 
 MAX_ROWS = 64
 BITS = (4, 8)
@@ -65,7 +65,7 @@ GROUPS = (32, 64, 128)
 SPLITS = (1, 2, 4, 8, 16)  # warps per block that bench/gpu_qmv.py compares
 MAX_SPLIT_TILES = 64  # warps x column tiles: their partial sums fill 32 KB of shared memory
 
-HEADER = BASE_HEADER + MMA_HEADER + r"""
+HEADER = CORE_HEADER + MMA_HEADER + r"""
 template <typename P> struct Pointee;                // the activations' type, from x's pointer
 template <typename E> struct Pointee<const E*> { using type = E; };
 

@@ -38,7 +38,10 @@ from __future__ import annotations
 NT = 128  # threads per block of the split pass
 TT = 128  # tokens per tile: one per thread while scoring
 
-HEADER = r"""
+# The helpers every kvserve CUDA kernel with stored codes uses: word loads, bit fields, code
+# units, mxfp4's scales. MLX hashes a kernel's whole source on every call (to find its
+# compiled module), so a kernel's header holds only what it calls (``cuda_qmv`` takes this).
+CORE_HEADER = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -91,6 +94,13 @@ __device__ __forceinline__ float e2m1_scaled(uint32_t c) {
 __device__ __forceinline__ float e8m0_scaled(uint8_t e) {
   return __uint_as_float((uint32_t(e) + 14u) << 23);
 }
+
+}  // namespace kvs
+"""
+
+# The f32 split pass's chunk decoders and value readers, on top of the core.
+HEADER = CORE_HEADER + r"""
+namespace kvs {
 
 __device__ __forceinline__ void widen4(const uint4& v, const float*, float* x) {
   x[0] = __uint_as_float(v.x); x[1] = __uint_as_float(v.y);

@@ -14,7 +14,7 @@ from kvserve.cache import parse_scheme
 from kvserve.cache.affine import QuantizedFormat, quantize_parts
 from kvserve.cache.turbo_codec import RawFormat, make_format
 from kvserve.kernels import cuda_attention as ca
-from kvserve.kernels import cuda_qmv, cuda_source, dispatch
+from kvserve.kernels import cuda_programs, cuda_qmv, cuda_source, dispatch
 from kvserve.kernels.reference import attend_full
 
 ON_CUDA = ca.cuda_ready()
@@ -305,6 +305,27 @@ def test_kernel_names_carry_a_digest_of_the_source():
     assert ca.kernel_name("kvs", "a", "b") == ca.kernel_name("kvs", "a", "b")
     assert ca.kernel_name("kvs", "a", "b") != ca.kernel_name("kvs", "a", "c")
     assert re.fullmatch(r"kvs_[0-9a-f]{16}", ca.kernel_name("kvs", "x"))
+
+
+def test_kernels_reach_mlx_compacted_with_only_the_helpers_they_call(monkeypatch):
+    """MLX hashes a kernel's whole source on every call of it: kvserve's kernels reach
+    ``mx.fast.cuda_kernel`` without comments or blank lines, the few-rows matmul without the
+    f32 pass's chunk decoders, and the tensor-core attention with them only where affine codes
+    decode through f32 (scales not in the queries' dtype)."""
+    specs = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda name, **spec: specs.append(spec))
+    affine = ca.Layout("affine", 4, 64, 3, 16)
+    cuda_qmv._kernel.__wrapped__(4, 64, 8, 1)
+    ca._mma_kernel.__wrapped__(affine, affine, 4, True, True, ())
+    ca._mma_kernel.__wrapped__(affine, affine, 4, False, True, ())
+    ca._mma_kernel.__wrapped__(ca.Layout("raw", 16, 0, 1, 0), ca.Layout("raw", 16, 0, 1, 0), 4, False, False, ())
+    ca._merge_kernel.__wrapped__(False)
+    for spec in specs:
+        code = spec["source"] + spec.get("header", "")
+        assert "//" not in code and "\n\n" not in code and code == cuda_programs.compact(code)
+    qmv, fast, through_f32, raw = (spec.get("header", "") for spec in specs[:4])
+    assert "AffineRun" in qmv and "load_words" in qmv and "affine_chunk" not in qmv
+    assert "affine_chunk" not in fast and "affine_chunk" in through_f32 and "affine_chunk" not in raw
 
 
 @pytest.mark.parametrize("name", ["affine4", "affine8-g32", "mxfp4", "turbo0v4", "turbo8v3", "turbo3"])
