@@ -383,9 +383,11 @@ def convert(src: str, dst: str | None, cache_dir: str | None) -> int:
 
 
 def _exit_now(code: int) -> None:
-    """Leave without running static destructors: MLX (0.32.4, Linux) can abort in them
-    ("terminate called without an active exception") once a thread other than the main one
-    used it, as the engine thread does. The engine has stopped and nothing is pending."""
+    """Leave without running static destructors: MLX (0.32.4, Linux) can abort at exit
+    ("terminate called without an active exception") where a thread other than the main one
+    used it: that thread's compile cache, destroyed while the interpreter finalizes, takes the
+    GIL. ``Engine.stop`` waits for its own thread to be gone; this also covers any other
+    thread that used MLX. The engine has stopped and nothing is pending."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
