@@ -153,9 +153,9 @@ def _mma_kernel(key: Layout, value: Layout, mask: int, kfast: bool, vfast: bool,
     lines = [f"  using {k} = {_C_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};"
              for k, v in consts]
     source = "\n".join(lines) + "\n" + mma_source(key, value, mask, kfast, vfast)
-    # The f32 pass's chunk decoders only where affine codes decode through f32 (``run``).
-    through_f32 = any(lay.kind == "affine" and not fast for lay, fast in ((key, kfast), (value, vfast)))
-    header = (HEADER if through_f32 else CORE_HEADER) + MMA_HEADER
+    # The f32 pass's chunk decoders only where the source calls one (affine codes decoded
+    # through f32: scales not in the queries' dtype).
+    header = (HEADER if "kvs::affine_chunk" in source else CORE_HEADER) + MMA_HEADER
     return cuda_kernel(
         name=kernel_name(f"kvs_attn_mma_{tag}", header, source, *names),
         input_names=names, output_names=["o_part", "ml_part"],

@@ -75,8 +75,8 @@ def warmup_requests(batch: int, prefill_step_size: int, tokens: list[int], conte
     what ``context`` leaves, where given), but row 1 has 4: rows 0 and 1 prefill together,
     row 1 left-padded by one slot, as short prompts that arrive at once are (on a GPU their
     attention under the padding's mask is a kernel program of its own, which a served engine
-    compiled for seconds while its first requests waited). Rows join the batch as their prompts complete and
-    leave one step apart: each generates ``lead + 1 + i`` tokens, where ``lead`` is the steps
+    compiled for seconds while its first requests waited). Rows join the batch as their
+    prompts complete and leave one step apart: each generates ``lead + 1 + i`` tokens, where ``lead`` is the steps
     all prompts need at ``step_tokens`` per step (less one token per decoding row), so the
     batch grows to ``batch`` rows and shrinks back to one. Odd rows sample at temperature
     0.8 with top-p and top-k, row 1 asks for logprobs, row 3 adds a penalty."""
