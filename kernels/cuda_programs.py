@@ -73,9 +73,9 @@ def compact(code: str) -> str:
     On every call of a ``mx.fast.cuda_kernel`` MLX hashes the kernel's whole source to find
     its compiled module; a profile of a served engine on an H200 had 6.6-9.0% of the engine
     thread there (``docs/benchmarks/gpu-serve.md``, twenty-fourth round). Compacted, the
-    sources are about a quarter shorter, and every program compiles to the same PTX (checked
-    with NVRTC for each program the kernels' wrappers launch). String literals (the inline
-    PTX) keep their spacing; none holds a comment marker.
+    sources are about a quarter shorter, and every program compiles to the same PTX
+    (``bench/kernel_ptx.py``: NVRTC over each program the kernels' wrappers launch). String
+    literals (the inline PTX) keep their spacing; none holds a comment marker.
 
         >>> print(compact("  // why\nint a = 1;  // one\n\n/* block\n */  int b;\n"), end="")
         int a = 1;
