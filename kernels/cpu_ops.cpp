@@ -14,7 +14,9 @@
 //   contiguous last axis; cos, sin (P, dims) float32 tables laid out so that
 //   rope(x) = x * cos + rotate_half(x) * sin, rotate_half(x) = [x2, x1], with the sign folded
 //   into sin (fastpath.py's _Table); offsets (B,) or (1,) int32. Row b's query l takes table
-//   row min(offsets[b] + l, limit - 1), limit <= P; dimensions past ``dims`` pass through.
+//   row clamp(offsets[b] + l, 0, limit - 1), limit <= P; dimensions past ``dims`` pass through.
+//   An offset below 0 is a left-padded row of a batched prefill (its padding is masked): the
+//   clamp keeps those reads inside the table.
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -152,7 +154,7 @@ class TableRope : public CpuPrimitive {
         int64_t start = offp[n_off == 1 ? 0 : b];
         for (int64_t h = 0; h < H; h++) {
           for (int64_t l = 0; l < L; l++) {
-            int64_t p = start + l < P - 1 ? start + l : P - 1;
+            int64_t p = std::clamp<int64_t>(start + l, 0, P - 1);
             const float* row = xp + b * sb + h * sh + l * sl;
             const float* c = cp + p * dims;
             const float* s = sp + p * dims;

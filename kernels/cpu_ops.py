@@ -76,8 +76,9 @@ def turbo_encode(x: mx.array, pi: mx.array, boundaries: mx.array, bits: int,
 def table_rope(x: mx.array, cos: mx.array, sin: mx.array, offsets: mx.array, dims: int,
                limit: int) -> mx.array | None:
     """RoPE of (B, H, L, D) ``x`` from (P, dims) tables (``fastpath._Table``'s layout), row b
-    at positions ``min(offsets[b] + l, limit - 1)``; None where it does not serve (checked in
-    C++, as this runs twice per layer and token)."""
+    at positions ``offsets[b] + l`` clamped to ``[0, limit - 1]`` (a left-padded prefill row
+    starts below 0); None where it does not serve (checked in C++, as this runs twice per
+    layer and token)."""
     return _module().table_rope(x, cos, sin, offsets, dims, limit)
 
 

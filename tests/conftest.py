@@ -9,6 +9,8 @@ from typing import Callable
 
 import pytest
 
+pytest_plugins = ("fatal_errors",)  # what killed a worker, in the run's summary
+
 # The BLAS every server uses, in this process too, before any test module imports mlx: MLX's
 # bundled reference BLAS takes 20x longer over a 300-token forward pass of the default model
 # (27 s against 1.5 s). Test modules that exercise the shim enabled it at collection anyway,

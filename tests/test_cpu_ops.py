@@ -78,17 +78,21 @@ def test_table_rope_is_one_operation_equal_to_the_table_ops(dims, offset, length
 def test_table_rope_per_row_offsets_strided_and_clamped(monkeypatch):
     """Per-row offsets over the transposed projection layout (B, L, H, D) -> (B, H, L, D),
     equal to TableRoPE's MLX operations, including a row past the table (clamped to its
-    last position, as the MLX path clamps)."""
+    last position, as the MLX path clamps) and a row starting at -3: a prompt of a batched
+    prefill left-padded by 3, whose padding is masked; its first 3 positions take the
+    table's row 0, never memory before the table (reading there crashed a server)."""
     rope = fastpath.TableRoPE(16, 10000.0, positions=64)
-    x = mx.random.normal((3, 2, 4, 16))
+    x = mx.random.normal((4, 5, 4, 16))
     mx.eval(x)
-    x, offsets = x.transpose(0, 2, 1, 3), mx.array([0, 37, 62])
+    x, offsets = x.transpose(0, 2, 1, 3), mx.array([0, 37, 62, -3])
     got = rope(x, offset=offsets)
     assert _ops(got) == ["Transpose", "Reshape", "KvserveTableRope"]
+    at = [0, 0, 0, 0, 1]  # row 3's table rows
+    assert all(mx.array_equal(got[3, :, i], rope(x[3:, :, i : i + 1], offset=p)[0, :, 0]) for i, p in enumerate(at))
     monkeypatch.setattr(fastpath.TableRoPE, "_fused", lambda *a: None)
     want = rope(x, offset=offsets)
     assert float(mx.abs(got - want).max()) < 1e-6
-    rows = [rope(x[i : i + 1], offset=offsets[i : i + 1]) for i in range(3)]
+    rows = [rope(x[i : i + 1], offset=offsets[i : i + 1]) for i in range(4)]
     assert all(mx.array_equal(r[0], want[i]) for i, r in enumerate(rows))
 
 

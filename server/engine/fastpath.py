@@ -85,7 +85,8 @@ class TableRoPE(nn.Module):
                 return mx.fast.rope(x, self.dims, traditional=False, base=self.base,
                                     scale=self.scale, offset=offset)
             rows = offset.reshape(-1, 1) + mx.arange(x.shape[-2])  # (B, L) positions
-            rows = mx.minimum(rows, self._positions - 1)  # never read past the table
+            # Never read outside the table: a left-padded prefill row starts below 0.
+            rows = mx.clip(rows, 0, self._positions - 1)
             cos = mx.take(self._table.cos, rows, axis=0)[:, None]  # (B, 1, L, dims)
             sin = mx.take(self._table.sin, rows, axis=0)[:, None]
         else:
