@@ -25,7 +25,7 @@ import mlx.core as mx  # noqa: E402
 
 import kvserve.kernels.cpu_build as build  # noqa: E402
 
-build._FLAGS = ("-O1", "-g", "-std=c++20", "-fsanitize=address", "-fno-omit-frame-pointer")
+build._FLAGS = ("-O3", "-g", "-std=c++20", "-fsanitize=address", "-fno-omit-frame-pointer")
 mx.set_cache_limit(0)  # a freed buffer goes back to malloc, not to the next array
 EOF
 # libstdc++ with the sanitizer: it finds the C++ exception functions it wraps at start-up.
