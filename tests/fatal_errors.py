@@ -29,6 +29,8 @@ import pytest
 FOLDER_ENV = "KVSERVE_TEST_FAULTS"  # set by the controller, read by the workers it starts
 # Frames of the test harness, below every test's own (the summary leaves them out).
 HARNESS = ("/_pytest/", "/pluggy/", "/execnet/", "/xdist/", 'File "<string>"')
+_SINK = pytest.StashKey()  # a worker's dump file
+_OWNED = pytest.StashKey()  # the controller's folder of dumps
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own faulthandler setting, which it replaces
@@ -68,7 +70,3 @@ def pytest_unconfigure(config) -> None:
     if owned is not None:
         shutil.rmtree(owned, ignore_errors=True)
         os.environ.pop(FOLDER_ENV, None)
-
-
-_SINK = pytest.StashKey()
-_OWNED = pytest.StashKey()
