@@ -16,11 +16,13 @@ from kvserve.bench.soak import metrics
 CHAT = [{"role": "user", "content": "Say something."}]
 
 # BIT_EXACT_ONLY_ON_CPU: a repeated request's prefill is served from the prefix cache (the last
-# prompt token computed alone) and a row may decode in other company; on the CPU its logits come
-# out bit-identical either way, on a GPU they differ in the last bits (measured on an H200, tiny
-# model: first-token logprobs -7.22715 cold against -7.22731 after a prefix-cache hit), which is
-# enough to part two seeded samples of this near-flat random model. On a GPU the seeded checks
-# below keep only what rounding cannot change: different seeds give different texts.
+# prompt token computed alone) and a row may decode in other company. On the CPU a row's
+# products of 1 to 16 rows take one path (the BLAS shim's few-rows blocks, whose sums do not
+# depend on the other rows; tests/test_weights.py pins it), so these 8-row batches decode each
+# row bit-identically to the row alone. On a GPU they differ in the last bits (measured on an
+# H200, tiny model: first-token logprobs -7.22715 cold against -7.22731 after a prefix-cache
+# hit), which is enough to part two seeded samples of this near-flat random model. On a GPU the
+# seeded checks below keep only what rounding cannot change: different seeds give different texts.
 
 
 @pytest.fixture(scope="module")

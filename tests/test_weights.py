@@ -277,3 +277,27 @@ def test_shim_sgemm_matches_numpy(shim, row_major, ta, tb, m, n, k):
     shim.cblas_sgemm(101 if row_major else 102, ta, tb, m, n, k, ctypes.c_float(0.7), p(a), lda,
                      p(b), ldb, ctypes.c_float(0.3), p(c), ldc)
     np.testing.assert_allclose(cv, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_openblas
+@pytest.mark.parametrize("n,k", [(37, 67), (1536, 576)])
+def test_a_rows_product_does_not_depend_on_the_rows_around_it(shim, n, k):
+    """A decode step's products (1 to 16 rows against a transposed weight): every row's
+    result is bit-identical to the same row multiplied alone, so a seeded row samples the
+    same tokens alone and batched. (OpenBLAS's gemv, which once took the lone row, sums in
+    another order: up to 4e-6 apart.)"""
+    rng = np.random.default_rng(n + k)
+    a, b = rng.standard_normal((16, k), np.float32), rng.standard_normal((n, k), np.float32)
+    p = lambda x: x.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+
+    def product(rows: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(rows)
+        c = np.zeros((rows.shape[0], n), np.float32)
+        shim.cblas_sgemm(101, 111, 112, rows.shape[0], n, k, ctypes.c_float(1.0), p(rows), k,
+                         p(b), k, ctypes.c_float(0.0), p(c), n)
+        return c
+
+    alone = np.concatenate([product(a[i:i + 1]) for i in range(16)])
+    for m in (2, 3, 8, 16):
+        np.testing.assert_array_equal(product(a[:m]), alone[:m])
+    np.testing.assert_allclose(alone, a.astype(np.float64) @ b.T.astype(np.float64), rtol=1e-4, atol=1e-4)

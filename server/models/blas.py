@@ -11,10 +11,13 @@ one.
 OpenBLAS comes from the ``scipy-openblas32`` wheel (no libgfortran needed) whose
 symbols carry a ``scipy_`` prefix, so a few lines of C (compiled once with the
 system C compiler into the user cache directory) export ``cblas_sgemm`` and
-forward to it.  The shim also sends single-row/column products (every decode
-step: M == 1) to ``sgemv``: OpenBLAS's gemm packs the weight matrix on each call,
-which makes an M == 1 product up to 5x slower than the equivalent gemv (a
-1536x576 weight: 0.15 ms against 0.03 ms), and a whole decode step ~1.7x slower.
+forward to it.  Decode products (1 to 16 activation rows against a transposed
+weight) do not reach OpenBLAS's gemm: it packs the weight matrix on each call, which
+makes an M == 1 product up to 5x slower than a gemv (a 1536x576 weight: 0.15 ms
+against 0.03 ms) and a whole decode step ~1.7x slower. The shim's own few-rows blocks
+compute them, one row as several, with the same sum for each output whatever the
+rows around it, so a decode row's logits do not depend on its batch; other single
+row or column products go to ``sgemv``.
 
 Call :func:`enable_fast_blas` once, before anything imports ``mlx``.  Where
 that is too late (mlx already imported) or no C compiler exists, it falls back
@@ -181,8 +184,10 @@ def _verify(lib: ctypes.CDLL | None) -> tuple[bool, str]:
     def calls() -> int:
         if lib is None:
             return 0
-        lib.kvserve_blas_sgemm_calls.restype = lib.kvserve_blas_sgemv_calls.restype = ctypes.c_ulonglong
-        return lib.kvserve_blas_sgemm_calls() + lib.kvserve_blas_sgemv_calls()
+        counters = (lib.kvserve_blas_sgemm_calls, lib.kvserve_blas_sgemv_calls, lib.kvserve_blas_small_calls)
+        for counter in counters:
+            counter.restype = ctypes.c_ulonglong
+        return sum(counter() for counter in counters)
 
     before = calls()
     rng = np.random.default_rng(0)
@@ -195,7 +200,7 @@ def _verify(lib: ctypes.CDLL | None) -> tuple[bool, str]:
     err = max(float(np.abs(got[0] - want).max()), float(np.abs(got[1] - want[:1]).max()))
     if err > 1e-3:
         return False, f"OpenBLAS result differs from numpy by {err:.2e}"
-    via = "cblas shim (M==1 -> sgemv)" if lib is not None else "scipy_cblas_sgemm"
+    via = "cblas shim (M<=16 -> few-rows blocks)" if lib is not None else "scipy_cblas_sgemm"
     return True, f"scipy-openblas32 via {via}, verified against numpy"
 
 

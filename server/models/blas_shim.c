@@ -84,16 +84,52 @@ static void block_4x2(int K, f32 alpha, const f32 *a0, int lda, const f32 *b0, i
   for (int j = 0; j < 4; j++) { put(c0 + j, alpha, s[j], beta); put(c0 + ldc + j, alpha, s[4 + j], beta); }
 }
 
+/* One activation row against 4 weight rows: ``dot``'s arithmetic for each of the four (the
+   same lanes summed in the same order), with independent accumulators. */
+static void block_4x1(int K, f32 alpha, const f32 *a0, const f32 *b0, int ldb, f32 beta, f32 *c0) {
+  const f32 *b1 = b0 + ldb, *b2 = b1 + ldb, *b3 = b2 + ldb;
+  int KW = K - K % VW;
+  vf c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0};
+  for (int k = 0; k < KW; k += VW) {
+    vf x0 = ld(a0 + k);
+    c00 += x0 * ld(b0 + k); c01 += x0 * ld(b1 + k); c02 += x0 * ld(b2 + k); c03 += x0 * ld(b3 + k);
+  }
+  f32 s[4] = {hsum(c00), hsum(c01), hsum(c02), hsum(c03)};
+  for (int k = KW; k < K; k++) { s[0] += a0[k] * b0[k]; s[1] += a0[k] * b1[k]; s[2] += a0[k] * b2[k]; s[3] += a0[k] * b3[k]; }
+  for (int j = 0; j < 4; j++) put(c0 + j, alpha, s[j], beta);
+}
+
+/* The same for 8 weight rows: enough independent sums to keep the multiply-adds busy where
+   one row has no second activation row to share its weight loads with. */
+static void block_8x1(int K, f32 alpha, const f32 *a0, const f32 *b0, int ldb, f32 beta, f32 *c0) {
+  int KW = K - K % VW;
+  vf c[8] = {{0}};
+  for (int k = 0; k < KW; k += VW) {
+    vf x0 = ld(a0 + k);
+    for (int j = 0; j < 8; j++) c[j] += x0 * ld(b0 + (long)j * ldb + k);
+  }
+  for (int j = 0; j < 8; j++) {
+    const f32 *bj = b0 + (long)j * ldb;
+    f32 s = hsum(c[j]);
+    for (int k = KW; k < K; k++) s += a0[k] * bj[k];
+    put(c0 + j, alpha, s, beta);
+  }
+}
+
+/* Every output is ``dot``'s sum whichever block computes it, so a row's result does not
+   depend on how many rows share the product (1 to SMALL_M): a decode row gives the same
+   logits alone and batched. */
 static void small_m_nt(int M, int N, int K, f32 alpha, const f32 *A, int lda,
                        const f32 *B, int ldb, f32 beta, f32 *C, int ldc) {
   int n = 0;
+  if (M == 1)
+    for (; n + 7 < N; n += 8) block_8x1(K, alpha, A, B + (long)n * ldb, ldb, beta, C + n);
   for (; n + 3 < N; n += 4) {
     int m = 0;
     for (; m + 1 < M; m += 2)
       block_4x2(K, alpha, A + (long)m * lda, lda, B + (long)n * ldb, ldb, beta, C + (long)m * ldc + n, ldc);
     for (; m < M; m++)
-      for (int j = 0; j < 4; j++)
-        put(C + (long)m * ldc + n + j, alpha, dot(A + (long)m * lda, B + (long)(n + j) * ldb, K), beta);
+      block_4x1(K, alpha, A + (long)m * lda, B + (long)n * ldb, ldb, beta, C + (long)m * ldc + n);
   }
   for (; n < N; n++)
     for (int m = 0; m < M; m++)
@@ -376,14 +412,16 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, f32 alpha,
 static void sgemm_row_major(int ta, int tb, int M, int N, int K, f32 alpha, const f32 *A, int lda,
                             const f32 *B, int ldb, f32 beta, f32 *C, int ldc) {
   if (packed_product(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
-  if (as_gemv(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
-    __atomic_fetch_add(&sgemv_calls, 1, __ATOMIC_RELAXED);
-    return;
-  }
+  /* One row too (not sgemv): OpenBLAS's gemv sums in another order than the few-rows
+     blocks, so a row alone would round differently from the same row in a batch. */
   if (ta == NoTrans && tb == Trans && M <= SMALL_M && K >= 8) {
     __atomic_fetch_add(&small_calls, 1, __ATOMIC_RELAXED);
     job_t j = {M, N, K, alpha, beta, A, B, C, lda, ldb, ldc, 0, 0, 0};
     split_rows(&j, (long)M * N * K);
+    return;
+  }
+  if (as_gemv(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
+    __atomic_fetch_add(&sgemv_calls, 1, __ATOMIC_RELAXED);
     return;
   }
   __atomic_fetch_add(&sgemm_calls, 1, __ATOMIC_RELAXED);

@@ -3,7 +3,7 @@
 On the CPU, the representation that is fastest depends on the machine and on
 which BLAS MLX uses (see ``blas.py``): MLX's CPU quantized matmul is a scalar
 loop (a 1536x576 matrix-vector product: ~0.5 ms with float32 activations,
-~22 ms with float16 ones), while OpenBLAS's sgemv does the dense float32
+~22 ms with float16 ones), while the BLAS shim does the dense float32
 product in ~0.03 ms, so a 4-bit model is often faster as dense float32, at 8x
 the memory.  Rather than guessing,
 :func:`choose_weight_format` times each candidate on the model's own layer
